@@ -1,0 +1,173 @@
+"""Paged KV-cache bookkeeping: block tables, ref counts, copy-on-write and prefix caching.
+
+Physical blocks live in one pool per layer (allocated by the model runner); this class only decides which block
+ids each sequence owns. Free blocks sit in an LRU queue (OrderedDict: O(1) push, pop and removal). A freed block
+keeps its prefix-cache entry until it is reallocated (lazy eviction), so a later request can still hit it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pagekube.engine import block_hash as hashing
+from pagekube.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # kept to rule out hash collisions on a hit
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = evicted first
+        self.cached: dict[bytes, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write block copies for the runner
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens served from cache
+
+    # ---- capacity -----------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------------------------
+    def find_cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Blocks holding the longest cached prefix of `seq`, never including its last token."""
+        if not self.enable_prefix_caching:
+            return [], []
+        ids, hashes, parent = [], [], None
+        tokens = seq.token_ids
+        for i in range((len(tokens) - 1) // self.block_size):
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
+            h = hashing.block_hash(parent, chunk, seq.cache_extra_keys)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+                break
+            ids.append(block_id)
+            hashes.append(h)
+            parent = h
+        return ids, hashes
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full of computed tokens, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            chunk = seq.token_ids[i * bs : (i + 1) * bs]
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = hashing.block_hash(parent, chunk, seq.cache_extra_keys)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.cached and block.hash is None:
+                block.hash, block.token_ids = h, tuple(chunk)
+                self.cached[h] = block.block_id
+
+    # ---- allocation ---------------------------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
+                       cached_hashes: list[bytes] = ()) -> bool:
+        """Make room for the next `num_new_tokens` of `seq`, after adopting `cached_blocks` (a prefix hit from
+        `find_cached_prefix`). Returns False, changing nothing, when blocks run out.
+
+        Blocks about to be written that are shared with another sequence are copied first (copy-on-write).
+        """
+        bs = self.block_size
+        fresh = seq.num_computed_tokens == 0 and not seq.block_table
+        start = seq.num_computed_tokens + len(cached_blocks) * bs
+        end_blocks = self.blocks_needed(start + num_new_tokens)
+        new_blocks = max(0, end_blocks - len(seq.block_table) - len(cached_blocks))
+        cow = [i for i in range(start // bs, min(len(seq.block_table), end_blocks))
+               if self.blocks[seq.block_table[i]].ref_count > 1]
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if new_blocks + len(cow) + revived > self.num_free_blocks:
+            return False
+        if fresh:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(cached_blocks) * bs
+            seq.num_cached_tokens = len(cached_blocks) * bs
+        for b in cached_blocks:
+            self._ref(b)
+        seq.block_table.extend(cached_blocks)
+        seq.block_hashes.extend(cached_hashes)
+        seq.num_computed_tokens = start
+        for i in cow:
+            old = seq.block_table[i]
+            self.blocks[old].ref_count -= 1
+            seq.block_table[i] = self._take_free_block()
+            self.pending_copies.append((old, seq.block_table[i]))
+        for _ in range(new_blocks):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (n > 1 sampling): ref counts go up, nothing is copied yet."""
+        for b in parent.block_table:
+            self.blocks[b].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so they are evicted before the shared prefix they extend.
+        for b in reversed(seq.block_table):
+            block = self.blocks[b]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {b}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[b] = None
+                if block.hash is None:  # holds nothing reusable: hand it out before cached blocks
+                    self.free_queue.move_to_end(b, last=False)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fragmentation(self, seqs: list[Sequence]) -> float:
+        """Allocated token slots / tokens held, over blocks in use (shared blocks counted once)."""
+        filled: dict[int, int] = {}
+        for seq in seqs:
+            held = min(len(seq.block_table) * self.block_size, seq.num_tokens)
+            for i, b in enumerate(seq.block_table):
+                n = max(0, min(self.block_size, held - i * self.block_size))
+                filled[b] = max(filled.get(b, 0), n)
+        tokens = sum(filled.values())
+        return (len(filled) * self.block_size / tokens) if tokens else 1.0
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # lazy eviction of its prefix-cache entry
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash = block.token_ids = None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,53 @@
+"""Incremental detokenization: text deltas that never end inside a multi-byte character, and stop strings."""
+
+from __future__ import annotations
+
+from pagekube.engine.sequence import Sequence
+
+CONTEXT_TOKENS = 5  # earlier tokens decoded along, so a token's leading space or merge decodes right
+
+
+def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
+    """Append what the newest token adds to `seq.output_text` and return it ("" while a character is incomplete)."""
+    ids = seq.token_ids
+    prefix = tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=skip_special_tokens)
+    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        return ""
+    delta = full[len(prefix) :]
+    seq.detok_prefix_offset = seq.detok_read_offset
+    seq.detok_read_offset = len(ids)
+    seq.output_text += delta
+    return delta
+
+
+def start_detokenizer(seq: Sequence) -> None:
+    seq.detok_read_offset = seq.num_prompt_tokens
+    seq.detok_prefix_offset = max(0, seq.num_prompt_tokens - CONTEXT_TOKENS)
+
+
+def find_stop_string(seq: Sequence, delta: str) -> str | None:
+    """If a stop string now appears in the output, cut the text there and return it."""
+    stops = seq.request.params.stop
+    if not stops or not delta:
+        return None
+    window_start = max(0, len(seq.output_text) - len(delta) - seq.request.params.max_stop_len + 1)
+    best = None
+    for stop in stops:
+        at = seq.output_text.find(stop, window_start)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return None
+    at, stop = best
+    keep = at + len(stop) if seq.request.params.include_stop_str_in_output else at
+    seq.output_text = seq.output_text[:keep]
+    return stop
+
+
+def streamable_text(seq: Sequence) -> str:
+    """Text safe to show now: a tail that could still become a stop string is held back until it cannot."""
+    if seq.is_finished:
+        return seq.output_text
+    hold = seq.request.params.max_stop_len - 1
+    return seq.output_text[: len(seq.output_text) - hold] if hold > 0 else seq.output_text

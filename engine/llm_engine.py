@@ -1,0 +1,233 @@
+"""LLMEngine: add requests, then call step() until done. Synchronous; AsyncEngine drives it for the server."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from pagekube.engine.block_manager import BlockManager
+from pagekube.engine.config import EngineConfig
+from pagekube.engine.detokenizer import (
+    detokenize_incrementally,
+    find_stop_string,
+    start_detokenizer,
+    streamable_text,
+)
+from pagekube.engine.model_files import resolve_model_dir
+from pagekube.engine.model_runner import ModelRunner
+from pagekube.engine.outputs import CompletionOutput, RequestOutput
+from pagekube.engine.sampler import Sampler, SampleResult
+from pagekube.engine.sampling_params import SamplingParams
+from pagekube.engine.scheduler import Scheduler
+from pagekube.engine.sequence import Request, Sequence, SequenceStatus
+
+log = logging.getLogger("pagekube.engine")
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served as asked; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class StatListener(Protocol):
+    def on_iteration(self, num_tokens: int, num_preemptions: int) -> None: ...
+    def on_request_finished(self, request: Request) -> None: ...
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, stat_listener: StatListener | None = None):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir, self.hf_config)
+        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.hf_config.vocab_size, self.eos_token_ids, config.seed)
+        self.requests: dict[str, Request] = {}
+        self.stat_listener = stat_listener
+        self.served_model_name = config.served_model_name or (
+            self.model_dir.name if config.model else "SmolLM2-135M-Instruct")
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MB), device %s, dtype %s, attention %s",
+                 self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
+                 self.runner.num_blocks * self.runner.bytes_per_block / 1e6, self.runner.device,
+                 str(self.runner.dtype).removeprefix("torch."), self.runner.backend.name)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.num_blocks * self.config.block_size
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        except OSError:
+            pass
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "prompt")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise RequestRejected(f"the prompt has {len(token_ids)} tokens; max model length is {self.max_model_len} "
+                                  "(max_model_len), which leaves no room to generate", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise RequestRejected(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the max model "
+                                  f"length of {self.max_model_len} tokens (max_model_len)", "max_tokens")
+        need = self.block_manager.blocks_needed(len(token_ids) + max_tokens)
+        if need > self.block_manager.num_blocks:
+            raise RequestRejected(f"prompt + max_tokens needs {need} KV-cache blocks but the cache has only "
+                                  f"{self.block_manager.num_blocks} (kv_cache_memory)", "max_tokens")
+        req = Request(request_id, text, token_ids, params, max_tokens)
+        for seq in req.seqs:
+            start_detokenizer(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        self._finalize(req)
+        return self.make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len({s.request.request_id for s in self.scheduler.waiting})
+
+    def kv_fragmentation(self) -> float:
+        return self.block_manager.fragmentation(self.scheduler.running)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            m = seq.request.metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        logits, sample_idx = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        sampled = [batch.seqs[i] for i in sample_idx]
+        results = self.sampler(self._rows_for_forks(logits, sampled), self._with_forks(sampled))
+        touched: dict[str, Request] = {}
+        for seq, result in zip(self._with_forks(sampled), results, strict=True):
+            self._append_token(seq, result)
+            touched[seq.request.request_id] = seq.request
+        if self.stat_listener:
+            self.stat_listener.on_iteration(batch.num_batched_tokens, batch.num_preempted)
+        outputs = []
+        for req in touched.values():
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+                self._finalize(req)
+            outputs.append(self.make_output(req))
+        return outputs
+
+    def _with_forks(self, sampled: list[Sequence]) -> list[Sequence]:
+        """A request with n > 1 samples all its sequences from the first one's prompt logits, then forks."""
+        out = []
+        for seq in sampled:
+            out.append(seq)
+            if seq.index == 0 and seq.num_output_tokens == 0:
+                out.extend(s for s in seq.request.seqs[1:] if s.status == SequenceStatus.FORK_PENDING)
+        return out
+
+    def _rows_for_forks(self, logits, sampled: list[Sequence]):
+        rows = []
+        for i, seq in enumerate(sampled):
+            rows.append(i)
+            if seq.index == 0 and seq.num_output_tokens == 0:
+                rows.extend(i for s in seq.request.seqs[1:] if s.status == SequenceStatus.FORK_PENDING)
+        return logits[rows]
+
+    def _append_token(self, seq: Sequence, result: SampleResult) -> None:
+        if seq.status == SequenceStatus.FORK_PENDING:
+            self.block_manager.fork(seq.request.seqs[0], seq)
+            self.scheduler.add_running(seq)
+        req, p = seq.request, seq.request.params
+        now = time.monotonic()
+        m = req.metrics
+        if seq.index == 0:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            else:
+                m.token_gaps.append(now - m.last_token_time)
+            m.last_token_time = now
+        seq.token_ids.append(result.token_id)
+        seq.cumulative_logprob += result.logprob
+        if p.logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+        delta = detokenize_incrementally(self.tokenizer, seq, p.skip_special_tokens)
+        tok = result.token_id
+        if tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+            self._finish_seq(seq, "stop", tok)
+        elif tok in self.eos_token_ids and not p.ignore_eos and seq.num_output_tokens >= p.min_tokens:
+            self._finish_seq(seq, "stop", None)
+        elif seq.num_output_tokens >= p.min_tokens and (stop := find_stop_string(seq, delta)) is not None:
+            self._finish_seq(seq, "stop", stop)
+        elif seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish_seq(seq, "length", None)
+
+    def _finish_seq(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _finalize(self, req: Request) -> None:
+        req.metrics.finished_time = time.monotonic()
+        if self.stat_listener:
+            self.stat_listener.on_request_finished(req)
+
+    def make_output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=streamable_text(s),
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs if req.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
+                             req.seqs[0].num_cached_tokens, req.metrics)

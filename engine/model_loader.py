@@ -1,0 +1,58 @@
+"""Load a Hugging Face style checkpoint (config.json + *.safetensors, sharded or not) into CausalLM, with progress."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from pagekube.engine.model import CausalLM
+
+log = logging.getLogger("pagekube.engine")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    return files
+
+
+def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(hf_config).to(dtype)
+    model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    model.model.rotary = type(model.model.rotary)(hf_config).to(device)  # float32 buffers, computed not loaded
+    files = safetensors_files(model_dir)
+    total = sum(f.stat().st_size for f in files)
+    loaded: set[str] = set()
+    start = time.monotonic()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=None) as bar:
+        for f in files:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    if name not in params:
+                        continue  # e.g. rotary inv_freq, or lm_head when tied
+                    tensor = st.get_tensor(name)
+                    if tensor.shape != params[name].shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+                    with torch.no_grad():
+                        params[name].copy_(tensor)
+                    loaded.add(name)
+                    bar.update(tensor.numel() * tensor.element_size())
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+    log.info("loaded %d tensors (%.1f MB) from %d file(s) in %.1f s", len(loaded), total / 1e6, len(files),
+             time.monotonic() - start)
+    return model.eval()

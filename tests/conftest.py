@@ -1,0 +1,53 @@
+"""Shared fixtures: the bundled SmolLM2 model (converted once) and tiny random Llama checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagekube.engine.model_files import resolve_model_dir
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def llm(bundled_dir):
+    from pagekube.engine import LLM
+
+    return LLM(str(bundled_dir), dtype="float32", kv_cache_memory=256 * 1024**2)
+
+
+@pytest.fixture(scope="session")
+def hf_model(bundled_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
+
+
+def write_tiny_llama(path: Path, bundled_dir: Path, *, tie: bool = False, seed: int = 0, shard: str | None = "300KB",
+                     **overrides) -> Path:
+    """A random-initialized Llama with the bundled tokenizer, saved as (sharded) safetensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+               tie_word_embeddings=tie, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+    cfg.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (bundled_dir / name).exists():
+            shutil.copy(bundled_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, bundled_dir) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), bundled_dir)
