@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from pagekube.engine.sampling_params import SamplingParams
 
 
