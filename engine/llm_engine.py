@@ -35,7 +35,10 @@ class RequestRejected(ValueError):
 
 
 class StatListener(Protocol):
-    def on_iteration(self, num_tokens: int, num_preemptions: int) -> None: ...
+    """Receives what the metrics need; called on the engine's thread."""
+
+    def on_iteration(self, engine: LLMEngine, num_tokens: int, num_generated: int, num_preemptions: int) -> None: ...
+    def on_first_token(self, request: Request) -> None: ...
     def on_request_finished(self, request: Request) -> None: ...
 
 
@@ -79,6 +82,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
+        req = self.prepare_request(request_id, prompt, params)
+        self.enqueue(req)
+        return req
+
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Tokenize and validate; touches no engine state, so any thread may call it."""
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -103,9 +112,11 @@ class LLMEngine:
         req = Request(request_id, text, token_ids, params, max_tokens)
         for seq in req.seqs:
             start_detokenizer(seq)
-        self.requests[request_id] = req
-        self.scheduler.add(req.seqs[0])
         return req
+
+    def enqueue(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.scheduler.add(req.seqs[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -152,7 +163,7 @@ class LLMEngine:
             self._append_token(seq, result)
             touched[seq.request.request_id] = seq.request
         if self.stat_listener:
-            self.stat_listener.on_iteration(batch.num_batched_tokens, batch.num_preempted)
+            self.stat_listener.on_iteration(self, batch.num_batched_tokens, len(results), batch.num_preempted)
         outputs = []
         for req in touched.values():
             if req.is_finished:
@@ -188,6 +199,8 @@ class LLMEngine:
         if seq.index == 0:
             if m.first_token_time is None:
                 m.first_token_time = now
+                if self.stat_listener:
+                    self.stat_listener.on_first_token(req)
             else:
                 m.token_gaps.append(now - m.last_token_time)
             m.last_token_time = now

@@ -1,0 +1,156 @@
+"""AsyncEngine: steps the LLMEngine on a background thread; each request gets an async stream of outputs.
+
+The engine itself is touched only by its thread. Other threads hand it commands through a queue (add, abort) and
+get outputs back through their event loop (call_soon_threadsafe), so a slow client never stalls the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from pagekube.engine.llm_engine import LLMEngine
+from pagekube.engine.outputs import RequestOutput
+from pagekube.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("pagekube.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestStream:
+    """One request's outputs; iterate it (a RequestOutput per step, the last with finished=True).
+    Leaving the iteration early (client gone, task cancelled) aborts the request and frees its blocks."""
+
+    def __init__(self, engine: AsyncEngine, request, out_q: asyncio.Queue):
+        self.engine = engine
+        self.request = request
+        self.request_id = request.request_id
+        self._q = out_q
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await self._q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.engine.abort(self.request_id)
+
+    async def final(self) -> RequestOutput:
+        last = None
+        async for out in self:
+            last = out
+        return last
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- API for request handlers (any thread, with a running event loop) ----------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + self._commands.qsize()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> RequestStream:
+        """Validate and queue a request. Raises RequestRejected (bad request) before anything is queued."""
+        if self.dead:
+            raise EngineDeadError("the engine loop has stopped")
+        request_id = request_id or uuid.uuid4().hex
+        req = self.engine.prepare_request(request_id, prompt, params)
+        out_q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request_id] = (asyncio.get_running_loop(), out_q)
+        self._commands.put(("add", req))
+        return RequestStream(self, req, out_q)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        self._commands.put(("abort_all", None))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=10)
+
+    # ---- the loop thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as e:  # noqa: BLE001 - every stream must hear about it, or it hangs
+            log.exception("engine loop died")
+            self.dead = e
+            with self._lock:
+                streams = list(self._streams.values())
+                self._streams.clear()
+            for loop, q in streams:
+                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e}"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = cmd
+            if kind == "add":
+                with self._lock:
+                    live = arg.request_id in self._streams
+                if live:  # it may have been aborted before we got here
+                    self.engine.enqueue(arg)
+            elif kind == "abort":
+                self._abort(arg)
+            elif kind == "abort_all":
+                for rid in list(self.engine.requests):
+                    self._abort(rid)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        if out is not None:
+            self._deliver(out)
+        else:
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            target = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+        if target:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)

@@ -1,0 +1,69 @@
+"""`pagekube serve [MODEL] [--flags]`: every flag is derived from EngineConfig's fields (one source of truth)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+
+from pagekube.engine.config import EngineConfig
+
+
+def _flag_type(annotation):
+    """(type, choices) for a field: `int | None` -> int; `Literal["a", "b"]` -> str with choices."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, list(typing.get_args(annotation))
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    base = args[0]
+    if typing.get_origin(base) is typing.Literal:
+        return str, list(typing.get_args(base))
+    return base, None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagekube", description="pagekube LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("model", nargs="?", default=None, help=EngineConfig.model_fields["model"].description)
+    for name, field in EngineConfig.model_fields.items():
+        if name == "model":
+            continue
+        flag = "--" + name.replace("_", "-")
+        typ, choices = _flag_type(field.annotation)
+        if typ is bool:
+            serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.description)
+        else:
+            serve.add_argument(flag, type=typ, choices=choices, default=field.default, help=field.description,
+                               metavar=None if choices else name.upper())
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {k: v for k, v in vars(args).items() if k in EngineConfig.model_fields}
+    values["api_key"] = values.get("api_key") or os.environ.get("PAGEKUBE_API_KEY") or None
+    return EngineConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from pydantic import ValidationError
+
+        from pagekube.engine.logging_setup import setup_logging
+        from pagekube.engine.server.serve import run_server
+
+        try:
+            config = config_from_args(args)
+        except ValidationError as e:
+            print(f"pagekube: invalid flags:\n{e}", file=sys.stderr)
+            return 2
+        setup_logging()
+        return run_server(config)
+    return 2
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""ASGI middleware: request body size limit (413) and API-key auth (401), before any route runs."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from pagekube.engine.server.errors import error_body
+
+OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}
+
+
+async def _send_error(send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"] not in OPEN_PATHS:
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.api_key):  # constant time
+                return await _send_error(send, 401, "missing or invalid API key", "invalid_api_key")
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.max_body_bytes:
+            return await _send_error(send, 413, f"request body exceeds {self.max_body_bytes} bytes", "body_too_large")
+        received = 0
+
+        async def limited_receive():  # bodies without content-length (chunked) are counted as they arrive
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except BodyTooLarge:
+            await _send_error(send, 413, f"request body exceeds {self.max_body_bytes} bytes", "body_too_large")
+
+
+class BodyTooLarge(Exception):
+    pass

@@ -1,0 +1,95 @@
+"""Run the HTTP server: listen at once (/health 503 while the model loads), then drain on SIGTERM.
+
+Drain (DESIGN.md): /health turns 503 at once, new generation requests get 503 + Retry-After, accepted requests
+finish or are aborted at --drain-timeout (clients get a final chunk with finish_reason "abort"), then exit 0.
+A second SIGTERM or SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+
+import uvicorn
+
+from pagekube.engine.async_engine import AsyncEngine
+from pagekube.engine.config import EngineConfig
+from pagekube.engine.server.app import ServerState, create_app
+from pagekube.engine.server.metrics import EngineMetrics
+
+log = logging.getLogger("pagekube.server")
+
+
+class _Server(uvicorn.Server):
+    def capture_signals(self):  # signals are ours: uvicorn's handler would stop at once, without draining
+        return contextlib.nullcontext()
+
+
+def run_server(config: EngineConfig) -> int:
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: EngineConfig) -> int:
+    state = ServerState(config)
+    server = _Server(uvicorn.Config(create_app(state), host=config.host, port=config.port, log_config=None,
+                                    access_log=False, lifespan="off", timeout_graceful_shutdown=10,
+                                    timeout_keep_alive=5))
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+    drain_task: asyncio.Task | None = None
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen, drain_task
+        signals_seen += 1
+        if signals_seen > 1 or state.engine is None:
+            log.warning("signal %s: exiting now", signal.Signals(signum).name)
+            os._exit(0 if state.engine is None else 1)
+        log.info("signal %s: draining (timeout %.0f s)", signal.Signals(signum).name, config.drain_timeout)
+        drain_task = asyncio.ensure_future(drain(state, server))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    serving = asyncio.ensure_future(server.serve())
+    try:
+        from pagekube.engine.llm_engine import LLMEngine  # torch import + model load: after we listen
+
+        engine = await asyncio.to_thread(LLMEngine, config)
+    except Exception:
+        log.exception("model load failed")
+        server.should_exit = True
+        await serving
+        return 1
+    state.metrics = EngineMetrics(engine.served_model_name)
+    engine.stat_listener = state.metrics
+    state.engine = AsyncEngine(engine)
+    log.info("ready: serving %s on http://%s:%d", engine.served_model_name, config.host, config.port)
+    await serving
+    if drain_task is not None:
+        await drain_task
+    state.engine.shutdown()
+    log.info("exited cleanly")
+    return 0
+
+
+async def drain(state: ServerState, server: uvicorn.Server) -> None:
+    state.draining = True
+    if state.metrics:
+        state.metrics.draining.set(1)
+    eng = state.engine
+    deadline = time.monotonic() + state.config.drain_timeout
+    while eng.num_unfinished and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if eng.num_unfinished:
+        log.warning("drain timeout: aborting %d unfinished request(s)", eng.num_unfinished)
+        eng.abort_all()
+        until = time.monotonic() + 5
+        while eng.num_unfinished and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # let handlers write their last chunk before uvicorn closes connections
+    log.info("drain complete")
+    server.should_exit = True
