@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pagekube.engine.model import AttentionMetadata
 from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
+from tqdm import tqdm
+
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.engine.outputs import RequestOutput
 from pagekube.engine.sampling_params import SamplingParams
-from tqdm import tqdm
 
 Prompt = str | list[int] | dict
 

@@ -6,6 +6,8 @@ import logging
 import time
 from typing import Protocol
 
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
 from pagekube.engine.block_manager import BlockManager
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.detokenizer import (
@@ -21,7 +23,6 @@ from pagekube.engine.sampler import Sampler, SampleResult
 from pagekube.engine.sampling_params import SamplingParams
 from pagekube.engine.scheduler import Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 log = logging.getLogger("pagekube.engine")
 

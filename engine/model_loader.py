@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 import torch
-from pagekube.engine.model import CausalLM
 from safetensors import safe_open
 from tqdm import tqdm
+
+from pagekube.engine.model import CausalLM
 
 log = logging.getLogger("pagekube.engine")
 

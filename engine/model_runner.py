@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from pagekube.engine.attention import make_backend
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.model import AttentionMetadata

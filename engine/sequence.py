@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from pagekube.engine.sampling_params import SamplingParams
 
 

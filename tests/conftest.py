@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pagekube.engine.model_files import resolve_model_dir
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pagekube.engine import block_hash as hashing
 from pagekube.engine.block_manager import BlockManager
 from pagekube.engine.sampling_params import SamplingParams

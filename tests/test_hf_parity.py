@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from pagekube.engine import SamplingParams
 from pagekube.engine.attention import TorchAttention
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.model import AttentionMetadata
 from pagekube.engine.model_loader import load_model
-from transformers import AutoModelForCausalLM
-
 from tests.conftest import write_tiny_llama
 
 LONG = ("Kubernetes is an open-source system for automating deployment, scaling, and management of containerized "

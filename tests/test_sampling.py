@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from pagekube.engine import SamplingParams
 from pagekube.engine.detokenizer import detokenize_incrementally, start_detokenizer
 from pagekube.engine.sequence import Request

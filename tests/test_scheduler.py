@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pagekube.engine import SamplingParams
 from pagekube.engine.block_manager import BlockManager
 from pagekube.engine.config import EngineConfig

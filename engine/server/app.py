@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagekube
 from pagekube.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import RequestRejected
@@ -27,10 +31,6 @@ from pagekube.engine.server.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-import pagekube
 
 request_log = logging.getLogger("pagekube.requests")
 

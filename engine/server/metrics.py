@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pagekube.engine.sequence import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagekube.engine.sequence import Request
 
 # Buckets as vLLM uses them, so existing dashboards' quantiles read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pagekube.engine.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pagekube.engine.sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):
