@@ -41,6 +41,7 @@ class StatListener(Protocol):
     def on_iteration(self, engine: LLMEngine, num_tokens: int, num_generated: int, num_preemptions: int) -> None: ...
     def on_first_token(self, request: Request) -> None: ...
     def on_request_finished(self, request: Request) -> None: ...
+    def refresh(self, engine: LLMEngine) -> None: ...
 
 
 class LLMEngine:
@@ -128,6 +129,8 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
         self._finalize(req)
+        if self.stat_listener:
+            self.stat_listener.refresh(self)  # gauges must drop now, even if no step follows
         return self.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
