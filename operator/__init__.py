@@ -1,0 +1,1 @@
+"""pagekube operator (kopf): LLMDeployment -> Kubernetes objects. Not built yet (issue 5); imports no torch."""
