@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # The interpreter (numpy) has no half-precision matmul: there, dots run in float32 (the loads stay half).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -65,7 +64,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, m
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
     q = q.to(tl.float32) * scale
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
     first = split * BLOCKS_PER_SPLIT
@@ -83,12 +82,12 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, m
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
     row = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split
     tl.store(m_ptr + row, m, mask=gmask)
-    tl.store(l_ptr + row, l, mask=gmask)
+    tl.store(l_ptr + row, denom, mask=gmask)
     tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
 
 
@@ -102,11 +101,11 @@ def _decode_reduce_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot, stride_oh, 
     smask = s < num_splits
     row = (seq * tl.num_programs(1) + h) * num_splits + s
     m = tl.load(m_ptr + row, mask=smask, other=float("-inf"))
-    l = tl.load(l_ptr + row, mask=smask, other=0.0)
+    denom = tl.load(l_ptr + row, mask=smask, other=0.0)
     acc = tl.load(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # empty splits weigh nothing
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(denom * w, axis=0)
     tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -115,7 +114,8 @@ def decode_num_splits(max_blocks: int) -> int:
     return max(1, min(64, triton.cdiv(max_blocks, 8)))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
+                           out: torch.Tensor | None = None):
     """q [seqs, heads, head_dim] (one token per sequence) over each sequence's cached context."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -124,15 +124,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     splits = num_splits or decode_num_splits(max_blocks)
     per_split = triton.cdiv(max_blocks, splits)
     m = torch.empty(num_seqs * num_heads * splits, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    denom = torch.empty_like(m)
     acc = torch.empty(num_seqs * num_heads * splits, head_dim, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, m, l, acc, scale,
+        q, k_cache, v_cache, block_tables, context_lens, m, denom, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         splits, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCKS_PER_SPLIT=per_split)
-    out = torch.empty_like(q)
-    _decode_reduce_kernel[(num_seqs, num_heads)](m, l, acc, out, out.stride(0), out.stride(1), splits,
+    out = torch.empty_like(q) if out is None else out
+    _decode_reduce_kernel[(num_seqs, num_heads)](m, denom, acc, out, out.stride(0), out.stride(1), splits,
                                                  HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits))
     return out
 
@@ -161,7 +161,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, ctx_pt
         q = q.to(tl.float32)
     q_pos = ctx - q_len + offs_m
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     last_key = tl.minimum(ctx, ctx - q_len + (mb + 1) * BLOCK_M)  # causal: later keys are never seen here
     offs = tl.arange(0, BLOCK_SIZE)
@@ -182,23 +182,23 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, ctx_pt
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         v = tl.load(v_cache_ptr + kv_off, mask=kvalid[:, None], other=0.0).to(q.dtype)
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, max_query_len: int,
-                            scale, block_m: int = 16):
+                            scale, block_m: int = 16, out: torch.Tensor | None = None):
     """q [tokens, heads, head_dim], varlen over sequences (query_start_loc), each over its cached context."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     grid = (block_tables.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
