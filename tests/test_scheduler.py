@@ -131,3 +131,45 @@ def test_kv_fragmentation_stays_low_on_a_mixed_workload(tiny_engine_factory):
         if engine.scheduler.running:
             worst = max(worst, engine.kv_fragmentation())
     assert 1.0 <= worst <= 1.04
+
+
+class TokenCounter:
+    """A StatListener that records how many tokens each step computed."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def on_iteration(self, engine, num_tokens, num_generated, num_preemptions):
+        self.steps.append(num_tokens)
+
+    def on_first_token(self, request):
+        pass
+
+    def on_request_finished(self, request):
+        pass
+
+    def refresh(self, engine):
+        pass
+
+
+def test_prefix_cache_computes_only_the_suffix_and_output_is_unchanged(tiny_engine_factory):
+    rng = random.Random(3)
+    prefix = [rng.randrange(49152) for _ in range(1000)]
+    first = prefix + [rng.randrange(49152) for _ in range(20)]
+    second = prefix + [rng.randrange(49152) for _ in range(37)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    uncached = tiny_engine_factory(enable_prefix_caching=False)
+    expected = generate(uncached, [second], params)[0]
+    engine = tiny_engine_factory()
+    generate(engine, [first], params)
+    counter = TokenCounter()
+    engine.stat_listener = counter
+    engine.add_request("second", second, params)
+    done = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done = out if out.finished else done
+    cached = (1000 // 16) * 16  # full blocks of the shared prefix: 992 tokens
+    assert done.num_cached_tokens == cached
+    assert sum(counter.steps) == (len(second) - cached) + (8 - 1)  # the suffix, then 7 decode steps
+    assert done.outputs[0].token_ids == expected
