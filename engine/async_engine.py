@@ -64,6 +64,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.dead: BaseException | None = None
+        self._waiting_snapshot = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -74,7 +75,9 @@ class AsyncEngine:
             return len(self._streams)
 
     def num_waiting(self) -> int:
-        return self.engine.num_waiting + self._commands.qsize()
+        """Queued requests, for admission control: a snapshot taken by the loop thread (the scheduler's queue
+        must not be iterated from here while it changes), plus adds not yet picked up."""
+        return self._waiting_snapshot + self._commands.qsize()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> RequestStream:
@@ -107,6 +110,7 @@ class AsyncEngine:
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
                 for out in self.engine.step():
                     self._deliver(out)
+                self._waiting_snapshot = self.engine.num_waiting
         except BaseException as e:  # noqa: BLE001 - every stream must hear about it, or it hangs
             log.exception("engine loop died")
             self.dead = e

@@ -102,3 +102,24 @@ def test_second_signal_exits_at_once(make_server):
     for t in threads:
         t.join(30)
     assert len(results) == 2  # clients see the connection close; none hangs
+
+
+def test_full_queue_answers_429_with_retry_after_and_keeps_serving(make_server):
+    srv = make_server("--max-num-seqs", "1", "--max-waiting-requests", "2")
+    results, threads = [], []
+    for _ in range(4):
+        t = threading.Thread(target=stream_completion, args=(srv.url, 60, results))
+        t.start()
+        threads.append(t)
+    deadline = time.monotonic() + 60
+    rejected = None
+    while rejected is None and time.monotonic() < deadline:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        if r.status_code == 429:
+            rejected = r
+    assert rejected is not None, "the queue never filled"
+    assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
+    for t in threads:
+        t.join(120)
+    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200
