@@ -6,7 +6,7 @@ of mixed prefill and decode tokens; `AttentionMetadata` says where each sequence
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,6 +24,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [seqs] int32, tokens in cache after this step
     query_lens: list[int]
     context_lens_list: list[int]
+    derived: dict = field(default_factory=dict)  # per-step tensors a backend builds once and reuses in every layer
 
     @property
     def is_decode_only(self) -> bool:

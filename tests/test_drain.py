@@ -22,6 +22,10 @@ def stream_completion(url: str, max_tokens: int, results: list, started: threadi
     finish, done, n = None, False, 0
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                r.read()
+                results.append((None, False, f"HTTP {r.status_code} retry-after={r.headers.get('retry-after')}"))
+                return
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -111,15 +115,15 @@ def test_full_queue_answers_429_with_retry_after_and_keeps_serving(make_server):
         t = threading.Thread(target=stream_completion, args=(srv.url, 60, results))
         t.start()
         threads.append(t)
-    deadline = time.monotonic() + 60
-    rejected = None
-    while rejected is None and time.monotonic() < deadline:
-        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
-        if r.status_code == 429:
-            rejected = r
-    assert rejected is not None, "the queue never filled"
+    time.sleep(1.0)  # one stream runs (max-num-seqs 1), the others wait: the queue is full
+    rejected = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                          timeout=120)
+    assert rejected.status_code == 429, rejected.text
     assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
     for t in threads:
         t.join(120)
-    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    served = [r for r in results if r[2] is None]
+    assert len(served) >= 2 and all(f == "length" and done for f, done, _ in served)  # accepted ones all finish
+    assert all(err == "HTTP 429 retry-after=1" for _, _, err in results if err is not None), results
+    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=60)
     assert r.status_code == 200

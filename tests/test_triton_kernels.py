@@ -6,17 +6,14 @@ numbers for every case.
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from pagekube.kernels import triton_attention as ta  # noqa: E402
-from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref  # noqa: E402
+# TRITON_INTERPRET=1 is set by conftest.py where there is no GPU
+from pagekube.kernels import triton_attention as ta
+from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
