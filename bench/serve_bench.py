@@ -79,6 +79,7 @@ async def run_client(url: str, model: str, prompts: list[str], max_tokens: int, 
     start = time.perf_counter()
     await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - start
+    await client.close()  # before asyncio.run closes this loop
     return {"mode": "server (openai client, streaming)", "concurrency": concurrency, "tokens": tokens,
             "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
             "itl_p50": pct(itls, 50), "itl_p99": pct(itls, 99)}
