@@ -177,3 +177,10 @@ def test_client_disconnect_mid_stream_frees_blocks_and_counts_abort(server):
     assert metric(after, "vllm:kv_cache_usage_perc") == 0
     assert metric(after, "vllm:request_success_total", finished_reason="abort") == \
         metric(before, "vllm:request_success_total", finished_reason="abort") + 1
+
+
+def test_errors_found_when_building_sampling_params_name_the_field(server):
+    err = assert_error(post(server, "/v1/completions", {**GOOD, "min_tokens": 5, "max_tokens": 2, "stop": [""]}), 400)
+    assert err["param"] == "stop" and "empty" in err["message"]
+    err = assert_error(post(server, "/v1/completions", {**GOOD, "logit_bias": {"5": 500}}), 400)
+    assert err["param"] == "logit_bias" and "100" in err["message"]

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagekube
@@ -209,8 +210,10 @@ def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
 def build_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
     try:
         return body.sampling_params(max_tokens, logprobs)
-    except ValueError as e:
-        raise APIError(400, str(e).splitlines()[-1] if "\n" in str(e) else str(e), code="invalid_request") from e
+    except ValidationError as e:  # a combination the request model alone cannot judge (e.g. min_tokens > max_tokens)
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise APIError(400, f"{param + ': ' if param else ''}{err['msg']}", param=param, code="invalid_request") from e
 
 
 def start_streams(eng: AsyncEngine, prompts: list, params) -> list[RequestStream]:
