@@ -160,10 +160,10 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        sampled = [batch.seqs[i] for i in sample_idx]
-        results = self.sampler(self._rows_for_forks(logits, sampled), self._with_forks(sampled))
+        rows, seqs = self._expand_forks([batch.seqs[i] for i in sample_idx])
+        results = self.sampler(logits[rows], seqs)
         touched: dict[str, Request] = {}
-        for seq, result in zip(self._with_forks(sampled), results, strict=True):
+        for seq, result in zip(seqs, results, strict=True):
             self._append_token(seq, result)
             touched[seq.request.request_id] = seq.request
         if self.stat_listener:
@@ -176,22 +176,18 @@ class LLMEngine:
             outputs.append(self.make_output(req))
         return outputs
 
-    def _with_forks(self, sampled: list[Sequence]) -> list[Sequence]:
-        """A request with n > 1 samples all its sequences from the first one's prompt logits, then forks."""
-        out = []
-        for seq in sampled:
-            out.append(seq)
-            if seq.index == 0 and seq.num_output_tokens == 0:
-                out.extend(s for s in seq.request.seqs[1:] if s.status == SequenceStatus.FORK_PENDING)
-        return out
-
-    def _rows_for_forks(self, logits, sampled: list[Sequence]):
-        rows = []
+    @staticmethod
+    def _expand_forks(sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """A request with n > 1 samples all its sequences from the first one's prompt logits, then forks.
+        Returns, per sequence to sample, its row in the logits."""
+        rows, seqs = [], []
         for i, seq in enumerate(sampled):
-            rows.append(i)
+            group = [seq]
             if seq.index == 0 and seq.num_output_tokens == 0:
-                rows.extend(i for s in seq.request.seqs[1:] if s.status == SequenceStatus.FORK_PENDING)
-        return logits[rows]
+                group += [s for s in seq.request.seqs[1:] if s.status == SequenceStatus.FORK_PENDING]
+            rows += [i] * len(group)
+            seqs += group
+        return rows, seqs
 
     def _append_token(self, seq: Sequence, result: SampleResult) -> None:
         if seq.status == SequenceStatus.FORK_PENDING:

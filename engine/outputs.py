@@ -15,9 +15,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:

@@ -85,3 +85,16 @@ def test_tokenize_detokenize_version_ping(server, tokenizer):
     assert d["prompt"] == "Hello world"
     assert httpx.get(server.url + "/version").json()["version"]
     assert httpx.get(server.url + "/ping").status_code == 200
+
+
+def test_echo_and_multiple_prompts(client):
+    r = client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=4, temperature=0, echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text.startswith("Hello") and r.choices[1].text.startswith("Goodbye")
+    chunks = list(client.completions.create(model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=4, temperature=0,
+                                            echo=True, stream=True))
+    by_index = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            by_index[choice.index] += choice.text
+    assert by_index == {0: r.choices[0].text, 1: r.choices[1].text}

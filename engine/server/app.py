@@ -311,15 +311,15 @@ class DeltaTracker:
 
 
 async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -> AsyncIterator[dict]:
-    eng, created, tracker, finals = state.engine, int(time.time()), DeltaTracker(), {}
+    eng, created, tracker, finals, echoed = state.engine, int(time.time()), DeltaTracker(), {}, set()
     async for i, out in merged(streams):
         for o in out.outputs:
             d = tracker.delta(i * body.n + o.index, o)
             if d is None:
                 continue
             text, k0, k1, finish = d
-            if body.echo and k0 == 0 and tracker.sent_text.get(-1 - i * body.n - o.index) is None:
-                tracker.sent_text[-1 - i * body.n - o.index] = 1
+            if body.echo and (i, o.index) not in echoed:  # the prompt goes first, once per choice
+                echoed.add((i, o.index))
                 text = (out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)) + text
             yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                    "choices": [{"index": i * body.n + o.index, "text": text, "finish_reason": finish,
