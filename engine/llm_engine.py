@@ -55,7 +55,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.hf_config.vocab_size, self.eos_token_ids, config.seed)
+        self.sampler = Sampler(self.eos_token_ids, config.seed)
         self.requests: dict[str, Request] = {}
         self.stat_listener = stat_listener
         self.served_model_name = config.served_model_name or (
@@ -135,10 +135,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:

@@ -21,8 +21,7 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0):
-        self.vocab_size = vocab_size
+    def __init__(self, eos_token_ids: set[int], seed: int = 0):
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed of their own
 

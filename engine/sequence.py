@@ -40,7 +40,6 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
         self.output_text = ""
         self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
-        self.streamed_chars = 0  # output_text already handed to the caller
         params = request.params
         self.generator: torch.Generator | None = None
         if params.seed is not None:

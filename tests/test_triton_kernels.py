@@ -43,6 +43,15 @@ def tables_for(ctx_lens, bs, num_blocks, gen):
     return torch.stack(rows).to(DEVICE)
 
 
+def make_case(tag: str, gqa: int, dim: int, bs: int, dtype, ctx: list[int], spare_blocks: int):
+    """Fresh random caches and shuffled block tables for sequences of `ctx` tokens; returns (gen, heads, k, v, tables)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{tag}{gqa}-{dim}-{bs}-{dtype}".encode()))
+    kv_heads = 2 if gqa < 8 else 1
+    num_blocks = sum(-(-c // bs) for c in ctx) + spare_blocks
+    k_cache, v_cache = make_cache(num_blocks, bs, kv_heads, dim, dtype, gen)
+    return gen, kv_heads * gqa, k_cache, v_cache, tables_for(ctx, bs, num_blocks, gen)
+
+
 def context_lengths(bs):
     return [1, bs - 1, bs, bs + 1, 2 * bs - 1, 2 * bs + 1, 5 * bs + 3]  # 1, block boundaries +/- 1, ragged
 
@@ -50,13 +59,8 @@ def context_lengths(bs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("gqa,dim,bs", CASES)
 def test_decode_attention(gqa, dim, bs, dtype):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"d{gqa}-{dim}-{bs}-{dtype}".encode()))
-    kv_heads = 2 if gqa < 8 else 1
-    heads = kv_heads * gqa
     ctx = context_lengths(bs)
-    num_blocks = sum(-(-c // bs) for c in ctx) + 3
-    k_cache, v_cache = make_cache(num_blocks, bs, kv_heads, dim, dtype, gen)
-    tables = tables_for(ctx, bs, num_blocks, gen)
+    gen, heads, k_cache, v_cache, tables = make_case("d", gqa, dim, bs, dtype, ctx, spare_blocks=3)
     q = torch.randn(len(ctx), heads, dim, generator=gen).to(dtype).to(DEVICE)
     lens = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
     scale = dim**-0.5
@@ -73,16 +77,11 @@ def test_decode_attention(gqa, dim, bs, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("gqa,dim,bs", CASES)
 def test_prefill_attention_over_cached_prefix(gqa, dim, bs, dtype):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"p{gqa}-{dim}-{bs}-{dtype}".encode()))
-    kv_heads = 2 if gqa < 8 else 1
-    heads = kv_heads * gqa
     # (new query tokens, context after this step): whole prompts, chunks over a cached prefix, single tokens
     shapes = [(1, 1), (bs + 1, bs + 1), (5, 2 * bs + 3), (bs, 3 * bs), (20, 20), (1, bs + 1)]
     qlens = [n for n, _ in shapes]
     ctx = [c for _, c in shapes]
-    num_blocks = sum(-(-c // bs) for c in ctx) + 2
-    k_cache, v_cache = make_cache(num_blocks, bs, kv_heads, dim, dtype, gen)
-    tables = tables_for(ctx, bs, num_blocks, gen)
+    gen, heads, k_cache, v_cache, tables = make_case("p", gqa, dim, bs, dtype, ctx, spare_blocks=2)
     starts = [0]
     for n in qlens:
         starts.append(starts[-1] + n)
