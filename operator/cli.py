@@ -1,0 +1,83 @@
+"""`pagekube-operator run` (the kopf controller) and `pagekube-operator render -f FILE` (offline preview)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+from pydantic import ValidationError
+
+from pagekube.operator.crd import crd_yaml
+from pagekube.operator.desired import desired_objects
+from pagekube.operator.spec import GROUP, KIND, LLMDeploymentSpec
+
+
+def render(documents: list[dict], namespace: str = "default") -> list[dict]:
+    """The children the operator would create for each LLMDeployment in `documents` (other kinds are skipped).
+
+    ownerReferences are left out: they need the uid the API server assigns; the operator adds them.
+    """
+    out = []
+    for doc in documents:
+        if not doc or doc.get("kind") != KIND or not str(doc.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            continue
+        meta = doc.get("metadata") or {}
+        spec = LLMDeploymentSpec.model_validate(doc.get("spec") or {})
+        for obj in desired_objects(meta["name"], meta.get("namespace", namespace), "", spec):
+            del obj["metadata"]["ownerReferences"]
+            out.append(obj)
+    return out
+
+
+def _render(args) -> int:
+    with (sys.stdin if args.file == "-" else open(args.file)) as f:
+        documents = list(yaml.safe_load_all(f))
+    try:
+        objects = render(documents, args.namespace)
+    except ValidationError as e:
+        print(f"error: {args.file}: invalid LLMDeployment spec:\n{e}", file=sys.stderr)
+        return 1
+    if not objects:
+        print(f"error: {args.file}: no {GROUP} {KIND} in it", file=sys.stderr)
+        return 1
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120))
+    return 0
+
+
+def _run(args) -> int:
+    import kopf
+
+    from pagekube.operator import handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
+    kopf.run(
+        standalone=True,  # one replica (Recreate); no peering objects needed
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or [],
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagekube-operator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the controller (kopf) against the current kubeconfig or in-cluster")
+    run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable; default: all)")
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint")
+    run.add_argument("--log-format", choices=["json", "text"], default="json")
+    run.add_argument("-v", "--verbose", action="store_true")
+    run.set_defaults(fn=_run)
+    ren = sub.add_parser("render", help="print the objects the operator would create for a manifest (offline)")
+    ren.add_argument("-f", "--file", required=True, help="LLMDeployment manifest (YAML, multi-document ok; - for stdin)")
+    ren.add_argument("-n", "--namespace", default="default", help="namespace for manifests that name none")
+    ren.set_defaults(fn=_render)
+    crd = sub.add_parser("crd", help="print the LLMDeployment CustomResourceDefinition")
+    crd.set_defaults(fn=lambda _a: sys.stdout.write(crd_yaml()) and 0)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

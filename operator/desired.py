@@ -1,0 +1,45 @@
+"""Everything an LLMDeployment should own, as plain dicts: the operator applies exactly this, `render` prints it."""
+
+from __future__ import annotations
+
+from pagekube.operator.autoscaling import build_scaled_object
+from pagekube.operator.engine_deployment import build_engine_deployment
+from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
+from pagekube.operator.nginx import build_nginx_configmap, build_nginx_deployment, build_nginx_service
+from pagekube.operator.services import build_engine_service, build_headless_service
+from pagekube.operator.spec import GROUP, KIND, VERSION, LLMDeploymentSpec
+
+
+def owner_reference(name: str, uid: str) -> dict:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec) -> list[dict]:
+    """The children in apply order (config before the pods that read it)."""
+    objects = [
+        build_engine_service(name, namespace),
+        build_headless_service(name, namespace),
+        build_engine_deployment(name, namespace, spec),
+    ]
+    if spec.load_balancer.enabled:
+        objects += [
+            build_nginx_configmap(name, namespace, spec),
+            build_nginx_deployment(name, namespace, spec),
+            build_nginx_service(name, namespace),
+        ]
+    if spec.autoscaling.enabled:
+        objects.append(build_scaled_object(name, namespace, spec))
+    if spec.monitoring.service_monitor:
+        objects.append(build_service_monitor(name, namespace))
+    if spec.monitoring.prometheus_rule:
+        objects.append(build_prometheus_rule(name, namespace, spec.monitoring.thresholds))
+    for obj in objects:
+        obj["metadata"]["ownerReferences"] = [owner_reference(name, uid)]
+    return objects

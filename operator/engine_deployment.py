@@ -1,0 +1,174 @@
+"""The engine Deployment: GPU pods running `pagekube serve`, with probes and a drain-aware shutdown."""
+
+from __future__ import annotations
+
+import math
+
+from pagekube.operator import naming
+from pagekube.operator.spec import LLMDeploymentSpec
+
+MODELS_DIR = "/models"
+S3_IMAGE = "amazon/aws-cli:2.22.35"
+# Runs in the engine image (huggingface_hub comes with transformers); HF_TOKEN etc. come from engine.env.
+HF_DOWNLOAD = (
+    "import sys; from huggingface_hub import snapshot_download; "
+    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3])"
+)
+GRACE_MARGIN_SECONDS = 15  # after preStop + drain: process exit, log flush
+
+
+def grace_period_seconds(spec: LLMDeploymentSpec) -> int:
+    return spec.drain.pre_stop_delay_seconds + spec.drain.timeout_seconds + GRACE_MARGIN_SECONDS
+
+
+def model_path(spec: LLMDeploymentSpec) -> str:
+    """Where the engine finds the weights inside its container."""
+    scheme, rest = spec.model.source.split("://", 1)
+    if scheme == "file":
+        return rest
+    if scheme == "pvc":
+        _claim, _, sub = rest.partition("/")
+        return f"{MODELS_DIR}/{sub}".rstrip("/")
+    return f"{MODELS_DIR}/model"
+
+
+def engine_args(spec: LLMDeploymentSpec) -> list[str]:
+    """`pagekube serve` arguments (vLLM-style flags) for this spec."""
+    e = spec.engine
+    args = [model_path(spec), "--served-model-name", spec.model.name, "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
+    args += ["--dtype", spec.model.dtype]
+    if spec.model.max_model_len:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.resources.gpu == 0:
+        args += ["--device", "cpu"]
+    else:
+        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    args += ["--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    args += ["--block-size", str(e.block_size)]
+    args += ["--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
+    args += ["--drain-timeout", str(spec.drain.timeout_seconds)]
+    return args + list(e.extra_args)
+
+
+def _resources(spec: LLMDeploymentSpec) -> dict:
+    r = spec.resources
+    amounts: dict[str, str] = {}
+    if r.gpu:
+        amounts[r.gpu_resource_name] = str(r.gpu)
+    if r.cpu:
+        amounts["cpu"] = r.cpu
+    if r.memory:
+        amounts["memory"] = r.memory
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _env(spec: LLMDeploymentSpec) -> list[dict]:
+    env = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
+    ref = spec.auth.api_key_secret_ref
+    if ref:
+        env.append({"name": "PAGEKUBE_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return env
+
+
+def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[dict]]:
+    """(volumes, init containers) that put the weights at model_path()."""
+    scheme, rest = spec.model.source.split("://", 1)
+    if scheme == "file":
+        return [], []
+    if scheme == "pvc":
+        claim = rest.partition("/")[0]
+        return [{"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}], []
+    volume = {"name": "models", "emptyDir": {}}
+    mounts = [{"name": "models", "mountPath": MODELS_DIR}]
+    env = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
+    if scheme == "hf":
+        init = {
+            "name": "model-download",
+            "image": spec.engine.image,
+            "command": ["python", "-c", HF_DOWNLOAD, rest, spec.model.revision or "", model_path(spec)],
+        }
+    else:  # s3
+        init = {"name": "model-download", "image": S3_IMAGE, "args": ["s3", "sync", spec.model.source, model_path(spec)]}
+    init.update({"env": env, "volumeMounts": mounts})
+    return [volume], [init]
+
+
+def _probe(path: str, period: int, failures: int) -> dict:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
+    grace = grace_period_seconds(spec)
+    volumes, init_containers = _model_volume_and_init(spec)
+    mounts = [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}] if volumes else []
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})  # NCCL and torch need a real /dev/shm
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "engine",
+        "image": spec.engine.image,
+        "command": ["pagekube", "serve"],
+        "args": engine_args(spec),
+        "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(spec),
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Model load can take many minutes; the startup probe holds the others off until /health is 200.
+        "startupProbe": _probe("/health", 10, 180),
+        # /health turns 503 the moment a drain starts, so endpoints drop the pod at once.
+        "readinessProbe": _probe("/health", 5, 1),
+        # ...which is why liveness tolerates 503 for a whole drain: a draining pod must not be restarted.
+        "livenessProbe": _probe("/health", 10, max(3, math.ceil(grace / 10))),
+        # The sleep lets endpoint removal reach every load balancer before SIGTERM starts the drain.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.drain.pre_stop_delay_seconds)]}}},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": grace,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+
+    deployment_spec: dict = {
+        "selector": {"matchLabels": naming.selector(name, "engine")},
+        # Never below serving capacity during a rollout: a new pod must be ready before an old one drains.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {
+                "labels": naming.labels(name, "engine"),
+                "annotations": {
+                    "prometheus.io/scrape": "true",
+                    "prometheus.io/port": str(naming.ENGINE_PORT),
+                    "prometheus.io/path": "/metrics",
+                    "kubectl.kubernetes.io/default-container": "engine",
+                },
+            },
+            "spec": pod_spec,
+        },
+    }
+    if not spec.autoscaling.enabled:  # with autoscaling on, KEDA's HPA owns replicas: never write them
+        deployment_spec["replicas"] = spec.replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": naming.engine_name(name), "namespace": namespace, "labels": naming.labels(name, "engine")},
+        "spec": deployment_spec,
+    }

@@ -1,0 +1,41 @@
+"""Names and labels of an LLMDeployment's children: one place, so builders, status and the LB config agree."""
+
+from __future__ import annotations
+
+from pagekube.operator.spec import GROUP
+
+MANAGED_BY = "pagekube-operator"
+OWNER_LABEL = f"{GROUP}/llmdeployment"
+ENGINE_PORT = 8000
+LB_PORT = 8080  # nginx listens unprivileged (non-root container); the LB Service maps 80 -> 8080
+
+
+def engine_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def headless_name(name: str) -> str:
+    return f"{name}-engine-pods"
+
+
+def lb_name(name: str) -> str:
+    return f"{name}-lb"
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pagekube",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        OWNER_LABEL: name,
+    }
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    """The immutable subset of labels that Deployments and Services select on."""
+    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": component, OWNER_LABEL: name}
+
+
+def selector_string(name: str, component: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(name, component).items())

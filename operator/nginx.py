@@ -1,0 +1,174 @@
+"""The NGINX load balancer in front of the engine pods: its config, ConfigMap, Deployment and Service.
+
+least_conn suits LLM traffic (requests last seconds to minutes, so open connections measure load). Streaming
+needs proxy_buffering off. A generation is never replayed: nginx retries only failures to connect (a POST already
+sent is not passed on, as we leave out `non_idempotent`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+
+from pagekube.operator import naming
+from pagekube.operator.spec import LLMDeploymentSpec
+
+CONFIG_KEY = "nginx.conf"
+CONFIG_DIR = "/etc/nginx/pagekube"
+# kube-dns is resolved once at start by the system resolver; `valid` bounds how stale the pod list can get.
+NGINX_COMMAND = ["nginx", "-p", "/tmp", "-e", "stderr", "-c", f"{CONFIG_DIR}/{CONFIG_KEY}", "-g", "daemon off;"]
+CLUSTER_RESOLVER = "kube-dns.kube-system.svc.cluster.local valid=5s ipv6=off"
+
+
+def _is_ip(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def cluster_upstreams(name: str, namespace: str) -> list[str]:
+    """The headless Service: its DNS name resolves to every ready engine pod."""
+    return [f"{naming.headless_name(name)}.{namespace}.svc.cluster.local:{naming.ENGINE_PORT}"]
+
+
+def render_nginx_conf(spec: LLMDeploymentSpec, upstreams: list[str], resolver: str = CLUSTER_RESOLVER,
+                      listen: str = str(naming.LB_PORT)) -> str:
+    """nginx.conf for these upstream addresses (host:port). Host names are re-resolved (`resolve`, nginx >= 1.27.3).
+
+    Paths are relative to nginx's prefix (`-p`, a writable folder), so the file runs as is under a non-root user.
+    """
+    lb = spec.load_balancer
+    needs_dns = any(not _is_ip(u) for u in upstreams)
+    servers = "\n".join(f"        server {u}{' resolve' if not _is_ip(u) else ''} max_fails=1 fail_timeout=5s;" for u in upstreams)
+    resolver_line = f"    resolver {resolver};\n" if needs_dns else ""
+    return f"""# Rendered by pagekube-operator. Do not edit: the operator restores it.
+worker_processes auto;
+pid nginx.pid;
+error_log stderr warn;
+events {{
+    worker_connections 8192;
+}}
+http {{
+    log_format json escape=json '{{"time":"$time_iso8601","remote":"$remote_addr","request":"$request",'
+        '"status":$status,"bytes":$body_bytes_sent,"duration":$request_time,"upstream":"$upstream_addr",'
+        '"upstream_status":"$upstream_status","request_id":"$request_id"}}';
+    access_log /dev/stdout json;
+    client_body_temp_path client_body;
+    proxy_temp_path proxy;
+    fastcgi_temp_path fastcgi;
+    uwsgi_temp_path uwsgi;
+    scgi_temp_path scgi;
+{resolver_line}
+    upstream engine {{
+        zone engine 256k;
+        least_conn;
+{servers}
+        keepalive 128;
+        keepalive_timeout 60s;  # below the engine's 75 s, so nginx closes idle connections first
+    }}
+
+    server {{
+        listen {listen};
+        client_max_body_size {lb.max_body_size};
+
+        location = /nginx-health {{
+            access_log off;
+            return 200 "ok\\n";
+        }}
+
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $host;
+            proxy_set_header X-Request-ID $request_id;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_buffering off;
+            proxy_cache off;
+            proxy_connect_timeout 5s;
+            proxy_send_timeout {lb.read_timeout_seconds}s;
+            proxy_read_timeout {lb.read_timeout_seconds}s;
+            proxy_next_upstream error timeout;
+            proxy_next_upstream_tries 3;
+        }}
+    }}
+}}
+"""
+
+
+def build_nginx_configmap(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": naming.lb_name(name), "namespace": namespace, "labels": naming.labels(name, "load-balancer")},
+        "data": {CONFIG_KEY: render_nginx_conf(spec, cluster_upstreams(name, namespace))},
+    }
+
+
+def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
+    config = render_nginx_conf(spec, cluster_upstreams(name, namespace))
+    lb = spec.load_balancer
+    probe = {"httpGet": {"path": "/nginx-health", "port": "http"}, "periodSeconds": 5}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": naming.lb_name(name), "namespace": namespace, "labels": naming.labels(name, "load-balancer")},
+        "spec": {
+            "replicas": lb.replicas,
+            "selector": {"matchLabels": naming.selector(name, "load-balancer")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": naming.labels(name, "load-balancer"),
+                    # A config change rolls the pods (nginx reads its config once at start).
+                    "annotations": {"serving.pagekube.io/config-hash": hashlib.sha256(config.encode()).hexdigest()[:16]},
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "nginx",
+                            "image": lb.image,
+                            "command": NGINX_COMMAND,
+                            "ports": [{"name": "http", "containerPort": naming.LB_PORT, "protocol": "TCP"}],
+                            "readinessProbe": probe,
+                            "livenessProbe": probe,
+                            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+                            "volumeMounts": [
+                                {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                                {"name": "tmp", "mountPath": "/tmp"},
+                            ],
+                            # Let in-flight streams finish: nginx's graceful quit waits for them.
+                            "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", "sleep 5; nginx -s quit"]}}},
+                            "securityContext": {
+                                "runAsNonRoot": True,
+                                "runAsUser": 101,
+                                "allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]},
+                            },
+                        }
+                    ],
+                    "terminationGracePeriodSeconds": lb.read_timeout_seconds + 10,
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": naming.lb_name(name)}},
+                        {"name": "tmp", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def build_nginx_service(name: str, namespace: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": naming.lb_name(name), "namespace": namespace, "labels": naming.labels(name, "load-balancer")},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector(name, "load-balancer"),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }

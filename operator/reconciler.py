@@ -1,0 +1,139 @@
+"""One reconcile pass against the API server: apply what differs, delete what is no longer wanted, write status.
+
+Writes are compare-then-apply: a child whose live state already contains every field we want gets no request at
+all; one that differs gets a server-side apply under one field manager. So an unchanged resource costs zero
+writes, and fields we leave out (the Deployment's replicas when KEDA owns them) are never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kubernetes import client
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+
+from pagekube.operator import naming
+from pagekube.operator.desired import desired_objects
+from pagekube.operator.spec import GROUP, PLURAL, VERSION, LLMDeploymentSpec
+from pagekube.operator.status import compute_status, merge_transition_times, status_changed
+
+FIELD_MANAGER = "pagekube-operator"
+log = logging.getLogger("pagekube.operator")
+
+# Kinds the operator may own; children of these kinds it no longer wants are deleted.
+OWNED_KINDS = [
+    ("v1", "Service"),
+    ("v1", "ConfigMap"),
+    ("apps/v1", "Deployment"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+]
+CRD_HINT = {"keda.sh/v1alpha1": "KEDA", "monitoring.coreos.com/v1": "prometheus-operator"}
+
+
+def contains(live, want) -> bool:
+    """Whether `live` already holds every field of `want` (extra live fields, e.g. server defaults, are fine)."""
+    if isinstance(want, dict):
+        # An empty list we ask for reads back as absent (Go's omitempty).
+        return isinstance(live, dict) and all(
+            contains(live[k], v) if k in live else v == [] for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(live, list) and len(live) == len(want) and all(contains(a, b) for a, b in zip(live, want))
+    return live == want
+
+
+@dataclass
+class ReconcileResult:
+    writes: list[str] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    status: dict | None = None
+
+
+def check_servable(core: client.CoreV1Api, namespace: str, spec: LLMDeploymentSpec) -> list[tuple[str, str]]:
+    """What the schema cannot see but keeps the spec from running: (reason, message) pairs."""
+    problems = []
+    if spec.engine.tensor_parallel_size > 1:
+        problems.append(("Unsupported", f"engine.tensorParallelSize={spec.engine.tensor_parallel_size}: this engine "
+                                        "version runs one GPU per replica; set 1"))
+    ref = spec.auth.api_key_secret_ref
+    if ref:
+        try:
+            secret = core.read_namespaced_secret(ref.name, namespace)
+            if ref.key not in (secret.data or {}):
+                problems.append(("SecretKeyMissing", f"Secret {namespace}/{ref.name} has no key {ref.key!r}"))
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            problems.append(("SecretNotFound", f"Secret {namespace}/{ref.name} (auth.apiKeySecretRef) does not exist"))
+    return problems
+
+
+class Reconciler:
+    def __init__(self, api: client.ApiClient | None = None):
+        self.api = api or client.ApiClient()
+        self.dynamic = DynamicClient(self.api)
+        self.core = client.CoreV1Api(self.api)
+
+    def _resource(self, api_version: str, kind: str):
+        return self.dynamic.resources.get(api_version=api_version, kind=kind)
+
+    def _apply(self, obj: dict, result: ReconcileResult) -> None:
+        resource = self._resource(obj["apiVersion"], obj["kind"])
+        meta = obj["metadata"]
+        try:
+            live = resource.get(name=meta["name"], namespace=meta["namespace"]).to_dict()
+        except NotFoundError:
+            live = None
+        if live is not None and contains(live, obj):
+            return
+        resource.server_side_apply(body=obj, name=meta["name"], namespace=meta["namespace"],
+                                   field_manager=FIELD_MANAGER, force_conflicts=True)
+        result.writes.append(f"{obj['kind']}/{meta['name']}")
+        log.info("applied %s %s/%s (%s)", obj["kind"], meta["namespace"], meta["name"], "created" if live is None else "updated")
+
+    def _prune(self, name: str, namespace: str, uid: str, keep: set[tuple[str, str]], result: ReconcileResult) -> None:
+        for api_version, kind in OWNED_KINDS:
+            try:
+                resource = self._resource(api_version, kind)
+            except ResourceNotFoundError:
+                continue  # that CRD is not installed, so nothing of that kind can exist
+            items = resource.get(namespace=namespace, label_selector=f"{naming.OWNER_LABEL}={name}").to_dict()["items"]
+            for item in items:
+                owners = item["metadata"].get("ownerReferences") or []
+                if (kind, item["metadata"]["name"]) in keep or not any(o.get("uid") == uid for o in owners):
+                    continue
+                resource.delete(name=item["metadata"]["name"], namespace=namespace)
+                result.writes.append(f"delete {kind}/{item['metadata']['name']}")
+
+    def reconcile(self, body: dict) -> ReconcileResult:
+        """Bring the children of one LLMDeployment (its full object as a dict) in line with its spec."""
+        meta = body["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        spec = LLMDeploymentSpec.model_validate(body.get("spec") or {})
+        result = ReconcileResult(problems=check_servable(self.core, namespace, spec))
+        deployment = None
+        if not result.problems:
+            wanted = desired_objects(name, namespace, uid, spec)
+            for obj in wanted:
+                try:
+                    self._apply(obj, result)
+                except ResourceNotFoundError:
+                    hint = CRD_HINT.get(obj["apiVersion"], obj["apiVersion"])
+                    result.problems.append(("MissingCRD", f"{obj['kind']} ({obj['apiVersion']}) is not served: "
+                                                          f"install {hint} or turn that feature off"))
+            self._prune(name, namespace, uid, {(o["kind"], o["metadata"]["name"]) for o in wanted}, result)
+            try:
+                deployment = self._resource("apps/v1", "Deployment").get(
+                    name=naming.engine_name(name), namespace=namespace).to_dict()
+            except NotFoundError:
+                deployment = None
+        new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems)
+        old = body.get("status") or {}
+        if status_changed(merge_transition_times(new, old), old):
+            client.CustomObjectsApi(self.api).patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": new})
+            result.status = new
+        return result

@@ -1,0 +1,165 @@
+"""The LLMDeployment spec as pydantic models: the one source of truth the CRD schema is generated from (crd.py).
+
+Field names are camelCase on the wire (aliases) and snake_case in Python. Defaults here become schema defaults,
+so the API server fills them in and `kubectl get -o yaml` shows what the operator acts on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.pagekube.io"
+VERSION = "v1alpha1"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+SHORT_NAME = "llmd"
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/pagekube/engine:0.1.0"
+# `server ... resolve` (re-resolving the headless Service as pods come and go) needs open-source nginx >= 1.27.3.
+DEFAULT_NGINX_IMAGE = "nginx:1.29-alpine"
+
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+SIZE = r"^[0-9]+[kKmMgG]?$"  # nginx size syntax (client_max_body_size)
+SOURCE = r"^(hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|file:///\S*)$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+# Kubernetes types we pass through untouched (the API server validates them when it stores the Pod template).
+class _Passthrough(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+
+class EnvVar(_Passthrough):
+    name: str = Field(min_length=1)
+
+
+class Toleration(_Passthrough):
+    pass
+
+
+class LocalObjectReference(_Spec):
+    name: str = Field(min_length=1)
+
+
+class SecretKeyRef(_Spec):
+    name: str = Field(min_length=1, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", description="Secret in the same namespace")
+    key: str = Field("api-key", min_length=1, description="Key in the Secret holding the API key")
+
+
+class ModelSpec(_Spec):
+    name: str = Field(min_length=1, max_length=256, description="Model name the API serves (the OpenAI `model` field)")
+    source: str = Field(
+        pattern=SOURCE, description="Where the weights are: hf://org/repo, pvc://claim/path, s3://bucket/prefix or file:///path"
+    )
+    revision: str | None = Field(None, description="Hugging Face revision (branch, tag or commit) for hf:// sources")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens (default: the model's)")
+
+
+class EngineSpec(_Spec):
+    image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    block_size: Literal[8, 16, 32] = 16
+    enable_prefix_caching: bool = True
+    extra_args: list[str] = Field(default_factory=list, description="Appended to the `pagekube serve` command line")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables (Kubernetes EnvVar)")
+
+
+class ResourcesSpec(_Spec):
+    gpu: int = Field(1, ge=0, le=64, description="GPUs per engine replica (0: CPU only)")
+    gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
+    cpu: str | None = Field(None, pattern=QUANTITY, description="CPU request and limit, e.g. '8'")
+    memory: str | None = Field(None, pattern=QUANTITY, description="Memory request and limit, e.g. '64Gi'")
+
+
+class AutoscalingSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must be <= maxReplicas"}
+            ]
+        }
+    )
+    enabled: bool = False
+    min_replicas: int = Field(1, ge=0, description="0 allows scale to zero")
+    max_replicas: int = Field(4, ge=1)
+    queue_depth_target: int = Field(4, ge=1, description="Waiting requests per replica KEDA aims for")
+    activation_queue_depth: int = Field(0, ge=0, description="Waiting requests above which KEDA scales up from zero")
+    kv_cache_usage_target: float | None = Field(None, gt=0, le=1, description="Also scale on mean KV-cache usage")
+    prometheus_address: str = Field("http://prometheus-operated.monitoring.svc:9090", pattern=r"^https?://\S+$")
+    polling_interval: int = Field(15, ge=1, description="Seconds between KEDA's queries")
+    cooldown_period: int = Field(300, ge=0, description="Seconds of no load before scaling to zero")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, description="HPA scale-down stabilization window")
+
+
+class LoadBalancerSpec(_Spec):
+    enabled: bool = True
+    replicas: int = Field(2, ge=1, le=100)
+    image: str = Field(DEFAULT_NGINX_IMAGE, min_length=1)
+    read_timeout_seconds: int = Field(600, ge=1, le=86400, description="Longest wait for the next byte of a response")
+    max_body_size: str = Field("10m", pattern=SIZE, description="Largest request body (nginx size: 10m, 512k)")
+
+
+class AuthSpec(_Spec):
+    api_key_secret_ref: SecretKeyRef | None = None
+
+
+class DrainSpec(_Spec):
+    timeout_seconds: int = Field(120, ge=0, le=3600, description="Time to finish accepted requests after SIGTERM")
+    pre_stop_delay_seconds: int = Field(5, ge=0, le=300, description="Sleep before the drain so endpoint removal propagates")
+
+
+class AlertThresholds(_Spec):
+    kv_cache_usage: float = Field(0.95, gt=0, le=1)
+    queue_depth: int = Field(16, ge=1, description="Waiting requests per replica")
+    ttft_p99_seconds: float = Field(2.0, gt=0)
+    error_ratio: float = Field(0.05, gt=0, le=1, description="Aborted / all finished requests")
+    preemptions_per_second: float = Field(1.0, gt=0)
+
+
+class MonitoringSpec(_Spec):
+    service_monitor: bool = False
+    prometheus_rule: bool = False
+    thresholds: AlertThresholds = Field(default_factory=AlertThresholds)
+
+
+class LLMDeploymentSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.resources.gpu == 0 || self.resources.gpu % self.engine.tensorParallelSize == 0",
+                    "message": "resources.gpu must be a multiple of engine.tensorParallelSize",
+                }
+            ]
+        }
+    )
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    priority_class_name: str | None = None
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    replicas: int = Field(1, ge=0, le=1000, description="Engine replicas when autoscaling is off")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    load_balancer: LoadBalancerSpec = Field(default_factory=LoadBalancerSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    drain: DrainSpec = Field(default_factory=DrainSpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+
+
+def parse_spec(spec: dict) -> LLMDeploymentSpec:
+    """The typed spec of a resource's `.spec` (raises pydantic.ValidationError on what the schema should refuse)."""
+    return LLMDeploymentSpec.model_validate(spec or {})

@@ -1,0 +1,52 @@
+"""The Helm chart: `helm lint` and `helm template` clean (helm 4 from the npm kubectl layer), objects valid for
+Kubernetes 1.35, and the chart's CRD and alert rules the generated ones."""
+
+from __future__ import annotations
+
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pagekube.operator.crd import crd_yaml
+from pagekube.operator.monitoring import generic_rules_file
+from tests.k8s_tools import REPO, helm
+
+CHART = REPO / "charts/pagekube"
+
+
+def test_helm_lint_is_clean():
+    r = subprocess.run([helm(), "lint", "--strict", str(CHART)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 chart(s) failed" in r.stdout and "[WARNING]" not in r.stdout and "[ERROR]" not in r.stdout
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a,team-b}", "--set", "alertRulesConfigMap.enabled=true",
+                                         "--set", "logLevel=debug"]], ids=["cluster-wide", "namespaced"])
+def test_helm_template_renders_valid_least_privilege_objects(values):
+    out = subprocess.run([helm(), "template", "pk", str(CHART), "--namespace", "pagekube-system", "--include-crds", *values],
+                         check=True, capture_output=True, text=True).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    for doc in docs:
+        if doc["kind"] != "CustomResourceDefinition":
+            kubernetes_validate.validate(doc, "1.35.0", strict=True)
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("CustomResourceDefinition") == 1 and "Deployment" in kinds and "ServiceAccount" in kinds
+    rules = [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]]
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
+    secrets = [r for r in rules if "secrets" in r["resources"]]
+    assert secrets and all(r["verbs"] == ["get"] for r in secrets)  # reads the API-key Secret's existence, nothing more
+    args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    if values:
+        assert [d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"] == ["team-a", "team-b"]
+        assert "--namespace=team-a" in args and "--verbose" in args
+        alerts = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["pagekube-alerts.yaml"]
+        assert yaml.safe_load(alerts) == yaml.safe_load(generic_rules_file())
+    else:
+        assert "ClusterRole" in kinds and not any(a.startswith("--namespace") for a in args)
+
+
+def test_chart_ships_the_generated_crd_and_rules():
+    assert (CHART / "crds/llmdeployment.yaml").read_text() == (REPO / "crds/llmdeployment.yaml").read_text() == crd_yaml()
+    assert (CHART / "files/alerts.yaml").read_text() == generic_rules_file()

@@ -1,0 +1,243 @@
+"""Pure builders: every example's rendered objects against the real schemas (Kubernetes 1.35 OpenAPI, the KEDA and
+prometheus-operator CRDs), the NGINX config through a real `nginx -t`, and the spec -> object rules."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from pagekube.operator import naming
+from pagekube.operator.autoscaling import queue_depth_query
+from pagekube.operator.cli import render
+from pagekube.operator.crd import crd, crd_yaml
+from pagekube.operator.desired import desired_objects
+from pagekube.operator.engine_deployment import build_engine_deployment, engine_args, grace_period_seconds
+from pagekube.operator.nginx import render_nginx_conf
+from pagekube.operator.reconciler import contains
+from pagekube.operator.spec import LLMDeploymentSpec
+from pagekube.operator.status import compute_status, merge_transition_times, status_changed
+from tests.k8s_tools import EXAMPLES, REPO, third_party_crd
+
+K8S_VERSION = "1.35.0"
+CR_SCHEMAS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects.yaml",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+}
+
+
+def spec_of(**overrides) -> LLMDeploymentSpec:
+    base = {"model": {"name": "m", "source": "hf://org/repo"}}
+    return LLMDeploymentSpec.model_validate({**base, **overrides})
+
+
+def rendered(example) -> list[dict]:
+    return render(list(yaml.safe_load_all(example.read_text())))
+
+
+def unknown_fields(obj, schema, path="") -> list[str]:
+    """Fields the API server would prune (not in the structural schema): a typo there is silently lost."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(obj, dict):
+        props, extra = schema.get("properties"), schema.get("additionalProperties")
+        if props is None:
+            return [] if extra is None else [u for k, v in obj.items() for u in unknown_fields(v, extra or {}, f"{path}.{k}")]
+        found = []
+        for k, v in obj.items():
+            found += unknown_fields(v, props[k], f"{path}.{k}") if k in props else [f"{path}.{k}"]
+        return found
+    if isinstance(obj, list):
+        return [u for i, v in enumerate(obj) for u in unknown_fields(v, schema.get("items", {}), f"{path}[{i}]")]
+    return []
+
+
+def schema_errors(obj: dict, schema: dict) -> list[str]:
+    """OpenAPI v3.0 schemas are JSON Schema draft 4 (boolean exclusiveMinimum). No metaschema check: upstream
+    patterns use Go regex syntax, e.g. '^(?i)(abort|warn)?$'."""
+    return [f"{list(e.path)}: {e.message}" for e in jsonschema.Draft4Validator(schema).iter_errors(obj)]
+
+
+def validate_custom_resource(obj: dict) -> None:
+    crd_doc = third_party_crd(CR_SCHEMAS[(obj["apiVersion"], obj["kind"])])
+    version = obj["apiVersion"].split("/")[1]
+    schema = next(v for v in crd_doc["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
+    assert schema_errors(obj, schema) == []
+    assert unknown_fields(obj, schema) == []
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_object_validates_against_real_schemas(example):
+    objects = rendered(example)
+    assert {o["kind"] for o in objects} >= {"Deployment", "Service"}
+    for obj in objects:
+        if (obj["apiVersion"], obj["kind"]) in CR_SCHEMAS:
+            validate_custom_resource(obj)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_themselves_validate(example):
+    """The manifests users apply: Kubernetes kinds by the 1.35 schema, ours by the CRD's and the pydantic model."""
+    ours = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for doc in yaml.safe_load_all(example.read_text()):
+        if doc["kind"] == "LLMDeployment":
+            assert schema_errors(doc, ours) == []
+            assert unknown_fields(doc, ours) == []
+            LLMDeploymentSpec.model_validate(doc["spec"])
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx (Debian package) not installed")
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_nginx_config_passes_nginx_t(example, tmp_path):
+    """The operator's config with its upstreams pointed at loopback (Debian's nginx 1.22 has no `resolve`)."""
+    doc = next(d for d in yaml.safe_load_all(example.read_text()) if d["kind"] == "LLMDeployment")
+    conf = render_nginx_conf(LLMDeploymentSpec.model_validate(doc["spec"]), ["127.0.0.1:18001", "127.0.0.1:18002"])
+    (tmp_path / "nginx.conf").write_text(conf)
+    r = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-e", "stderr", "-c", str(tmp_path / "nginx.conf")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "test is successful" in r.stderr
+
+
+def test_nginx_config_streams_and_never_replays():
+    conf = render_nginx_conf(spec_of(loadBalancer={"readTimeoutSeconds": 900, "maxBodySize": "20m"}), ["10.0.0.1:8000"])
+    for line in ["least_conn;", "proxy_buffering off;", "proxy_read_timeout 900s;", "client_max_body_size 20m;",
+                 "proxy_http_version 1.1;", 'proxy_set_header Connection "";', "keepalive 128;",
+                 "proxy_next_upstream error timeout;"]:
+        assert line in conf
+    assert "non_idempotent" not in conf and "resolver" not in conf  # IP upstreams need no DNS
+    cluster = render_nginx_conf(spec_of(), ["x-engine-pods.ns.svc.cluster.local:8000"])
+    assert "resolve max_fails" in cluster and "resolver kube-dns" in cluster
+
+
+def test_engine_deployment_follows_spec():
+    spec = spec_of(
+        model={"name": "llama", "source": "pvc://weights/llama-8b", "maxModelLen": 8192, "dtype": "bfloat16"},
+        engine={"maxNumSeqs": 64, "blockSize": 32, "enablePrefixCaching": False, "extraArgs": ["--seed", "7"]},
+        resources={"gpu": 2, "gpuResourceName": "amd.com/gpu", "cpu": "8", "memory": "64Gi"},
+        drain={"timeoutSeconds": 300, "preStopDelaySeconds": 10},
+        replicas=3,
+    )
+    dep = build_engine_deployment("llama", "ns", spec)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["limits"] == {"amd.com/gpu": "2", "cpu": "8", "memory": "64Gi"}
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    assert pod["terminationGracePeriodSeconds"] == 10 + 300 + 15 == grace_period_seconds(spec)
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+    # liveness must outlast a whole drain (/health is 503 while draining) or the kubelet kills a draining pod
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= grace_period_seconds(spec)
+    args = c["args"]
+    assert args[0] == "/models/llama-8b"
+    for flag, value in {"--max-model-len": "8192", "--dtype": "bfloat16", "--max-num-seqs": "64", "--block-size": "32",
+                        "--drain-timeout": "300", "--served-model-name": "llama"}.items():
+        assert args[args.index(flag) + 1] == value
+    assert "--no-enable-prefix-caching" in args and args[-2:] == ["--seed", "7"]
+    assert pod["volumes"][0] == {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+    assert dep["spec"]["replicas"] == 3
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_hf_source_downloads_in_an_init_container_and_cpu_only_has_no_gpu():
+    spec = spec_of(model={"name": "m", "source": "hf://org/repo", "revision": "v2"}, resources={"gpu": 0})
+    pod = build_engine_deployment("m", "ns", spec)["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    assert init["command"][-3:] == ["org/repo", "v2", "/models/model"]
+    assert pod["containers"][0]["resources"] == {}
+    assert engine_args(spec)[:1] == ["/models/model"] and "--device" in engine_args(spec)
+
+
+def test_autoscaling_decides_who_owns_replicas():
+    off = desired_objects("m", "ns", "uid", spec_of(replicas=2))
+    on = desired_objects("m", "ns", "uid", spec_of(replicas=2, autoscaling={"enabled": True, "minReplicas": 0}))
+    dep_off = next(o for o in off if o["kind"] == "Deployment" and o["metadata"]["name"] == "m-engine")
+    dep_on = next(o for o in on if o["kind"] == "Deployment" and o["metadata"]["name"] == "m-engine")
+    assert dep_off["spec"]["replicas"] == 2 and "replicas" not in dep_on["spec"]
+    assert not any(o["kind"] == "ScaledObject" for o in off)
+    so = next(o for o in on if o["kind"] == "ScaledObject")
+    assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["scaleTargetRef"]["name"] == "m-engine"
+    trigger = so["spec"]["triggers"][0]["metadata"]
+    assert trigger["query"] == queue_depth_query("m", "ns") and trigger["threshold"] == "4"
+    assert 'vllm:num_requests_waiting{namespace="ns",pod=~"m-engine-[a-z0-9]+-[a-z0-9]+"}' in trigger["query"]
+
+
+def test_every_child_is_owned_and_labelled():
+    objects = desired_objects("m", "ns", "the-uid", spec_of(monitoring={"serviceMonitor": True, "prometheusRule": True}))
+    assert len(objects) == 8
+    for obj in objects:
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == "the-uid" and ref["controller"] is True and ref["kind"] == "LLMDeployment"
+        assert obj["metadata"]["labels"][naming.OWNER_LABEL] == "m"
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"model": {"name": "m"}}, "source"),
+    ({"model": {"name": "m", "source": "ftp://x"}}, "source"),
+    ({"model": {"name": "m", "source": "hf://o/r"}, "autoscaling": {"minReplicas": -1}}, "minReplicas"),
+    ({"model": {"name": "m", "source": "hf://o/r"}, "engine": {"blockSize": 12}}, "blockSize"),
+    ({"model": {"name": "m", "source": "hf://o/r"}, "replicaz": 2}, "replicaz"),
+])
+def test_spec_model_refuses_what_the_schema_refuses(bad, field):
+    with pytest.raises(ValidationError, match=field):
+        LLMDeploymentSpec.model_validate(bad)
+
+
+def test_crd_file_and_chart_copy_are_the_generated_one():
+    assert (REPO / "crds/llmdeployment.yaml").read_text() == crd_yaml()
+    assert (REPO / "charts/pagekube/crds/llmdeployment.yaml").read_text() == crd_yaml()
+    schema = crd()["spec"]["versions"][0]
+    assert schema["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
+    spec = schema["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["model"] and spec["properties"]["engine"]["default"] == {}
+    assert "x-kubernetes-validations" in spec and "x-kubernetes-validations" in spec["properties"]["autoscaling"]
+
+
+def test_contains_is_the_no_write_rule():
+    assert contains({"a": 1, "b": {"c": [1, {"d": 2, "e": 3}]}, "z": 0}, {"a": 1, "b": {"c": [1, {"d": 2}]}})
+    assert not contains({"a": 1}, {"a": 2}) and not contains({"l": [1, 2]}, {"l": [1]})
+    assert contains({"x": 1}, {"env": []})  # empty lists read back as absent
+
+
+def test_status_conditions_follow_the_deployment():
+    spec = spec_of(replicas=2)
+    creating = compute_status("m", "ns", 3, spec, None, [])
+    conds = {c["type"]: c for c in creating["conditions"]}
+    assert conds["Progressing"]["status"] == "True" and conds["Ready"]["status"] == "False"
+    dep = {"metadata": {"generation": 1}, "spec": {"replicas": 2},
+           "status": {"observedGeneration": 1, "replicas": 2, "readyReplicas": 2, "availableReplicas": 2, "updatedReplicas": 2}}
+    done = compute_status("m", "ns", 3, spec, dep, [])
+    conds = {c["type"]: c for c in done["conditions"]}
+    assert (conds["Ready"]["status"], conds["Progressing"]["status"], conds["Degraded"]["status"]) == ("True", "False", "False")
+    assert done["readyReplicas"] == 2 and done["observedGeneration"] == 3 and done["endpoint"].startswith("http://m-lb.ns")
+    bad = compute_status("m", "ns", 3, spec, dep, [("SecretNotFound", "Secret ns/k does not exist")])
+    conds = {c["type"]: c for c in bad["conditions"]}
+    assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "SecretNotFound"
+    first = merge_transition_times(done, None)
+    again = merge_transition_times(compute_status("m", "ns", 3, spec, dep, []), first)
+    assert not status_changed(again, first)
+
+
+def test_the_validators_catch_mistakes():
+    """The schema checks above can fail: a typo'd field, a wrong type."""
+    so = next(o for o in desired_objects("m", "ns", "u", spec_of(autoscaling={"enabled": True})) if o["kind"] == "ScaledObject")
+    so["spec"]["minReplicas"] = 1  # the real field is minReplicaCount
+    with pytest.raises(AssertionError):
+        validate_custom_resource(so)
+    dep = build_engine_deployment("m", "ns", spec_of())
+    dep["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
