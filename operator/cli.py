@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -46,6 +47,7 @@ def _render(args) -> int:
 
 
 def _run(args) -> int:
+    os.environ["PAGEKUBE_RESYNC_SECONDS"] = str(args.resync_seconds)  # read when the handlers register
     import kopf
 
     from pagekube.operator import handlers  # noqa: F401  (registers the handlers)
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run the controller (kopf) against the current kubeconfig or in-cluster")
     run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable; default: all)")
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint")
+    run.add_argument("--resync-seconds", type=float, default=60.0, help="period of the full resync of every resource")
     run.add_argument("--log-format", choices=["json", "text"], default="json")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(fn=_run)

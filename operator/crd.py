@@ -40,9 +40,10 @@ def _structural(node: Any, defs: dict) -> Any:
             props = {}
             for name, sub in value.items():
                 prop = _structural(sub, defs)
-                # An optional sub-object defaults to {} so the API server fills in its fields' defaults too.
-                if name not in required and prop.get("type") == "object" and "properties" in prop:
-                    prop.setdefault("default", {})
+                # An optional sub-object without required fields defaults to its fields' defaults, so the API
+                # server fills them in (and CEL rules see them) even when the user leaves the whole object out.
+                if name not in required and "properties" in prop and not prop.get("required"):
+                    prop["default"] = {k: v["default"] for k, v in prop["properties"].items() if "default" in v}
                 props[name] = prop
             out["properties"] = props
         else:

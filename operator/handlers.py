@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import kopf
 from kubernetes import client, config
@@ -12,7 +13,7 @@ from pagekube.operator import naming
 from pagekube.operator.reconciler import Reconciler
 from pagekube.operator.spec import GROUP, PLURAL, VERSION
 
-RESYNC_SECONDS = 60.0
+RESYNC_SECONDS = float(os.environ.get("PAGEKUBE_RESYNC_SECONDS", "60"))  # `run --resync-seconds` sets it
 log = logging.getLogger("pagekube.operator")
 _reconciler: Reconciler | None = None
 

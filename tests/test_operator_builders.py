@@ -202,7 +202,7 @@ def test_crd_file_and_chart_copy_are_the_generated_one():
     schema = crd()["spec"]["versions"][0]
     assert schema["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
     spec = schema["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["required"] == ["model"] and spec["properties"]["engine"]["default"] == {}
+    assert spec["required"] == ["model"] and spec["properties"]["engine"]["default"]["blockSize"] == 16
     assert "x-kubernetes-validations" in spec and "x-kubernetes-validations" in spec["properties"]["autoscaling"]
 
 

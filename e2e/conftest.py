@@ -1,0 +1,58 @@
+"""Session fixtures for the e2e tests: a real control plane, and the operator run as its real entrypoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import ControlPlane, free_port
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory, pytestconfig):
+    cp = ControlPlane(tmp_path_factory.mktemp("controlplane"))
+    try:
+        cp.start()
+        reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+        if reporter:
+            reporter.write_line(f"\n[e2e] control plane (etcd + kube-apiserver + kube-controller-manager) ready in "
+                                f"{cp.startup_seconds:.1f} s; binaries from the cache")
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def operator(control_plane, tmp_path_factory):
+    """`pagekube-operator run` in a subprocess, as a cluster would run it (kopf, JSON logs)."""
+    port = free_port()
+    log_path = Path(tmp_path_factory.mktemp("operator")) / "operator.log"
+    log = open(log_path, "w")
+    exe = Path(sys.executable).parent / "pagekube-operator"
+    proc = subprocess.Popen([str(exe), "run", "--resync-seconds=3", f"--liveness=http://127.0.0.1:{port}/healthz"], env=control_plane.env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"operator did not start: {log_path.read_text()[-3000:]}") from None
+            time.sleep(0.3)
+    proc.log_path = log_path
+    proc.liveness = f"http://127.0.0.1:{port}/healthz"
+    yield proc
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
