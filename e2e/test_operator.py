@@ -210,3 +210,13 @@ def test_unservable_spec_is_degraded_with_an_event_and_the_operator_stays_health
     dep = wait_for(lambda: get(cp, "deployment", "nokey-engine", "-n", ns), what="engine Deployment")
     env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "PAGEKUBE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "missing", "key": "api-key"}}} in env
+
+
+def test_control_plane_binaries_come_from_the_cache(control_plane):
+    """A second run of the build script builds nothing: the binaries are reused (keyed by version)."""
+    import subprocess
+
+    r = subprocess.run([str(REPO / "e2e/controlplane/build.sh")], capture_output=True, text=True, check=True)
+    assert "building" not in r.stderr and "fetching" not in r.stderr
+    assert "k8s-v1.35.4-etcd-v3.6.5" in r.stdout
+    assert control_plane.startup_seconds > 0

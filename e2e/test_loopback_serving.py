@@ -1,0 +1,229 @@
+"""What the operator renders, run for real on loopback: two engine replicas behind the operator's own NGINX config,
+a real Prometheus scraping them with the labels the operator's pods carry, and the ScaledObject's exact query.
+
+Only the upstream addresses (loopback ports instead of the headless Service) and the listen port differ from what
+a cluster gets; `render_nginx_conf` is called exactly as the ConfigMap builder calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from e2e.cluster import free_port
+from pagekube.operator.autoscaling import build_scaled_object
+from pagekube.operator.nginx import render_nginx_conf
+from pagekube.operator.spec import LLMDeploymentSpec
+from tests.server_process import ServerProcess, metric
+
+pytestmark = pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("prometheus")),
+                                reason="nginx and prometheus (Debian packages) are installed by scripts/test-deps.sh")
+
+NAME, NAMESPACE = "demo", "default"
+SPEC = LLMDeploymentSpec.model_validate({
+    "model": {"name": "SmolLM2-135M-Instruct", "source": "file:///models/smollm2"},
+    "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 8, "queueDepthTarget": 2, "activationQueueDepth": 0},
+})
+# Pod names as the engine Deployment's ReplicaSet would make them: the ScaledObject's query matches on them.
+POD_NAMES = ["demo-engine-7f9c6d5b8-a1b2c", "demo-engine-7f9c6d5b8-x9y8z"]
+ENGINE_ARGS = ["--max-num-seqs", "4", "--kv-cache-memory", str(64 * 1024**2), "--dtype", "float32", "--drain-timeout", "120"]
+
+
+class Nginx:
+    def __init__(self, workdir: Path, upstreams: list[str]):
+        self.dir, self.port = workdir, free_port()
+        self.write(upstreams)
+        self.proc = subprocess.Popen(self.command("-g", "daemon off;"), stdout=open(workdir / "nginx.out", "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        wait_http(f"http://127.0.0.1:{self.port}/nginx-health")
+
+    def write(self, upstreams):
+        (self.dir / "nginx.conf").write_text(render_nginx_conf(SPEC, upstreams, listen=f"127.0.0.1:{self.port}"))
+
+    def command(self, *extra):
+        return ["nginx", "-p", str(self.dir), "-e", "stderr", "-c", str(self.dir / "nginx.conf"), *extra]
+
+    def reload(self, upstreams):
+        """What endpoint removal does to the cluster config (the headless Service stops resolving to the pod)."""
+        self.write(upstreams)
+        subprocess.run(self.command("-t"), check=True, capture_output=True)
+        subprocess.run(self.command("-s", "reload"), check=True, capture_output=True)
+        time.sleep(1.0)  # new workers up; old ones keep serving their in-flight streams until done
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(20)
+
+
+def wait_http(url, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engines")
+    procs = [ServerProcess(*ENGINE_ARGS, "--served-model-name", SPEC.model.name, log_path=d / f"engine{i}.log") for i in range(2)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def nginx(engines, tmp_path_factory):
+    lb = Nginx(tmp_path_factory.mktemp("nginx"), [f"127.0.0.1:{e.port}" for e in engines])
+    yield lb
+    lb.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(engines, tmp_path_factory):
+    d = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{
+            "job_name": "pagekube-engine",
+            # The labels a ServiceMonitor or the scrape annotations give the operator's engine pods.
+            "static_configs": [{"targets": [f"127.0.0.1:{e.port}"], "labels": {"namespace": NAMESPACE, "pod": pod}}
+                               for e, pod in zip(engines, POD_NAMES)],
+        }],
+    }
+    (d / "prometheus.yml").write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=open(d / "prometheus.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/-/ready", timeout=60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def client(nginx) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{nginx.port}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def served(engine) -> float:
+    return metric(httpx.get(engine.url + "/metrics").text, "vllm:request_success_total")
+
+
+def test_streams_token_by_token_through_nginx_and_spreads_over_both_replicas(engines, nginx):
+    c = client(nginx)
+    start = time.monotonic()
+    arrivals = []
+    stream = c.completions.create(model=SPEC.model.name, prompt="Once upon a time", max_tokens=48, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    text = ""
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.monotonic() - start)
+            text += chunk.choices[0].text
+    # Unbuffered: the first token arrives long before the last; bunching would put them all at the end.
+    assert len(arrivals) >= 24
+    assert arrivals[0] < 0.5 * arrivals[-1], arrivals
+    assert arrivals[len(arrivals) // 2] < 0.8 * arrivals[-1], arrivals
+    whole = c.completions.create(model=SPEC.model.name, prompt="Once upon a time", max_tokens=48, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
+
+    before = [served(e) for e in engines]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: c.chat.completions.create(model=SPEC.model.name, max_tokens=8,
+                                                          messages=[{"role": "user", "content": f"Count to {i}"}]), range(16)))
+    grown = [served(e) - b for e, b in zip(engines, before)]
+    assert sum(grown) == 16 and min(grown) >= 4, grown  # least_conn: both replicas took a real share
+
+
+def query(prometheus, promql) -> float:
+    r = httpx.get(prometheus + "/api/v1/query", params={"query": promql}).json()
+    assert r["status"] == "success", r
+    return float(r["data"]["result"][0]["value"][1])
+
+
+def test_scaled_object_query_through_prometheus_gives_the_replicas_keda_would_ask_for(engines, nginx, prometheus):
+    trigger = build_scaled_object(NAME, NAMESPACE, SPEC)["spec"]["triggers"][0]["metadata"]
+    promql, threshold, activation = trigger["query"], float(trigger["threshold"]), float(trigger["activationThreshold"])
+    wait_for_value = lambda ok, timeout: _poll(lambda: query(prometheus, promql), ok, timeout)  # noqa: E731
+    wait_for_value(lambda v: v == 0, 30)
+    c = client(nginx)
+    done = threading.Event()
+
+    def load():
+        with ThreadPoolExecutor(24) as pool:
+            list(pool.map(lambda i: c.completions.create(model=SPEC.model.name, prompt=f"Story {i}:", max_tokens=48,
+                                                         extra_body={"ignore_eos": True}), range(24)))
+        done.set()
+
+    threading.Thread(target=load, daemon=True).start()
+    peak = wait_for_value(lambda v: v > threshold * 3, 60)  # 2 replicas x 4 running; the rest wait
+    desired = min(math.ceil(peak / threshold), SPEC.autoscaling.max_replicas)  # HPA on an AverageValue metric
+    assert desired > len(engines), (peak, desired)
+    assert done.wait(300)
+    idle = wait_for_value(lambda v: v <= activation, 30)  # idle: below activation, KEDA scales to minReplicas 0
+    assert idle == 0 and SPEC.autoscaling.min_replicas == 0
+
+
+def _poll(read, ok, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"value stayed at {value}")
+        time.sleep(0.5)
+
+
+def test_rolling_drain_loses_no_request(engines, nginx):
+    """32 streams in flight; replica 1 leaves as in a rollout: endpoints drop it, preStop sleeps, SIGTERM drains it."""
+    c = client(nginx)
+    results: list = [None] * 32
+
+    def stream(i):
+        text, finish = "", None
+        for chunk in c.completions.create(model=SPEC.model.name, prompt=f"Tale {i}:", max_tokens=32, stream=True,
+                                          extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text or ""
+                finish = chunk.choices[0].finish_reason or finish
+        results[i] = (finish, text)
+
+    leaving = engines[1]
+    with ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(stream, i) for i in range(32)]
+        _poll(lambda: metric(httpx.get(leaving.url + "/metrics").text, "vllm:num_requests_running"), lambda v: v > 0, 60)
+        nginx.reload([f"127.0.0.1:{engines[0].port}"])  # endpoint removal
+        time.sleep(SPEC.drain.pre_stop_delay_seconds)  # the preStop sleep
+        leaving.signal(signal.SIGTERM)
+        during = [c.completions.create(model=SPEC.model.name, prompt="New user", max_tokens=4) for _ in range(4)]
+        for f in futures:
+            f.result()  # raises if any request failed
+    assert all(r.choices[0].finish_reason == "length" for r in during)
+    assert [r[0] for r in results] == ["length"] * 32
+    assert all(len(r[1]) > 0 for r in results)
+    assert leaving.proc.wait(120) == 0  # drained and exited cleanly
