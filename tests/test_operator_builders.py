@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 
 import jsonschema
 import kubernetes_validate
@@ -241,3 +242,9 @@ def test_the_validators_catch_mistakes():
     dep["spec"]["replicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+def test_the_operator_imports_no_torch():
+    code = ("import sys; import pagekube.operator.cli, pagekube.operator.handlers, pagekube.operator.reconciler; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
