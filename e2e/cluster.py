@@ -36,6 +36,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process_group(p: subprocess.Popen, grace: float = 10) -> None:
+    """SIGTERM the process group (started with start_new_session), SIGKILL what outlives the grace period."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
@@ -162,14 +173,7 @@ current-context: e2e
 
     def stop(self) -> None:
         for name in reversed(list(self.procs)):
-            p = self.procs[name]
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            stop_process_group(self.procs[name])
 
     def writes(self, namespace: str | None = None, exclude_users: tuple[str, ...] = ()) -> list[dict]:
         """Write requests in the audit log so far (one entry per request, at ResponseComplete)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import ControlPlane, free_port
+from e2e.cluster import ControlPlane, free_port, stop_process_group
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +49,25 @@ def operator(control_plane, tmp_path_factory):
     proc.log_path = log_path
     proc.liveness = f"http://127.0.0.1:{port}/healthz"
     yield proc
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_process_group(proc, grace=15)
+
+
+def _live_children() -> list[str]:
+    """Processes this pytest started that are still running (not zombies)."""
+    me, found = str(os.getpid()), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            found.append((stat.parent / "cmdline").read_text().replace("\0", " ")[:200])
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The e2e run must leave no process behind: every fixture has stopped what it started by now."""
+    left = _live_children()
+    if left:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(f"[e2e] processes left behind: {left}", red=True)
+        session.exitstatus = 1

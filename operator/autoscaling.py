@@ -55,7 +55,7 @@ def build_scaled_object(name: str, namespace: str, spec: LLMDeploymentSpec) -> d
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": {"name": naming.engine_name(name), "namespace": namespace, "labels": naming.labels(name, "engine")},
+        "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": naming.engine_name(name)},
             "minReplicaCount": a.min_replicas,

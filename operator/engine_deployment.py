@@ -169,6 +169,6 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) 
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": naming.engine_name(name), "namespace": namespace, "labels": naming.labels(name, "engine")},
+        "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
         "spec": deployment_spec,
     }

@@ -59,7 +59,7 @@ def build_prometheus_rule(name: str, namespace: str, thresholds: AlertThresholds
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": naming.engine_name(name), "namespace": namespace, "labels": naming.labels(name, "engine")},
+        "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
         "spec": {"groups": [{"name": f"pagekube.{namespace}.{name}", "rules": rules}]},
     }
 
@@ -68,7 +68,7 @@ def build_service_monitor(name: str, namespace: str) -> dict:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": {"name": naming.engine_name(name), "namespace": namespace, "labels": naming.labels(name, "engine")},
+        "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
         "spec": {
             "selector": {"matchLabels": {**naming.selector(name, "engine")}},
             "namespaceSelector": {"matchNames": [namespace]},

@@ -39,3 +39,8 @@ def selector(name: str, component: str) -> dict[str, str]:
 
 def selector_string(name: str, component: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector(name, component).items())
+
+
+def metadata(object_name: str, namespace: str, name: str, component: str) -> dict:
+    """A child's metadata: its own name, in the LLMDeployment's namespace, with the LLMDeployment's labels."""
+    return {"name": object_name, "namespace": namespace, "labels": labels(name, component)}

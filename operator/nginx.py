@@ -103,7 +103,7 @@ def build_nginx_configmap(name: str, namespace: str, spec: LLMDeploymentSpec) ->
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": naming.lb_name(name), "namespace": namespace, "labels": naming.labels(name, "load-balancer")},
+        "metadata": naming.metadata(naming.lb_name(name), namespace, name, "load-balancer"),
         "data": {CONFIG_KEY: render_nginx_conf(spec, cluster_upstreams(name, namespace))},
     }
 
@@ -115,7 +115,7 @@ def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": naming.lb_name(name), "namespace": namespace, "labels": naming.labels(name, "load-balancer")},
+        "metadata": naming.metadata(naming.lb_name(name), namespace, name, "load-balancer"),
         "spec": {
             "replicas": lb.replicas,
             "selector": {"matchLabels": naming.selector(name, "load-balancer")},
@@ -165,7 +165,7 @@ def build_nginx_service(name: str, namespace: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": naming.lb_name(name), "namespace": namespace, "labels": naming.labels(name, "load-balancer")},
+        "metadata": naming.metadata(naming.lb_name(name), namespace, name, "load-balancer"),
         "spec": {
             "type": "ClusterIP",
             "selector": naming.selector(name, "load-balancer"),

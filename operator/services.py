@@ -19,7 +19,7 @@ def _service(name: str, namespace: str, service_name: str, headless: bool) -> di
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": service_name, "namespace": namespace, "labels": naming.labels(name, "engine-pods" if headless else "engine")},
+        "metadata": naming.metadata(service_name, namespace, name, "engine-pods" if headless else "engine"),
         "spec": spec,
     }
 
