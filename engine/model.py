@@ -64,17 +64,18 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         bias = getattr(config, "attention_bias", config.model_type == "qwen2")
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        # q, k and v in one GEMM (fewer, larger matmuls); the loader fills its rows from q_proj/k_proj/v_proj.
+        self.qkv_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+        self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=getattr(config, "attention_bias", False)
                                 and config.model_type != "qwen2")
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k_cache, v_cache = kv_cache
@@ -87,13 +88,13 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)  # gate rows, then up
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -128,6 +129,9 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     supported_model_types = ("llama", "mistral", "qwen2", "smollm", "smollm3")
+    # Checkpoint projection -> (fused parameter, index of its row block): HF names on disk, fused GEMMs in memory.
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config):
         super().__init__()
@@ -142,6 +146,22 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, backend)
+
+    def checkpoint_target(self, name: str, params: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
+        """Where checkpoint tensor `name` goes: (parameter name, the view of it to copy into); None if unused."""
+        if name in params:
+            return name, params[name]
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.stacked_params:
+                fused, index = self.stacked_params[part]
+                target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+                if target not in params:
+                    return None
+                rows = params[target].shape[0] // 2 if fused == "gate_up_proj" else None
+                sizes = [rows, rows] if rows else self.get_submodule(".".join(parts[:i])).qkv_sizes
+                return target, params[target].narrow(0, sum(sizes[:index]), sizes[index])
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

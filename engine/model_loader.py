@@ -36,21 +36,25 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
     files = safetensors_files(model_dir)
     total = sum(f.stat().st_size for f in files)
     loaded: set[str] = set()
+    covered: dict[str, int] = {}  # elements written per parameter (fused ones are filled from several tensors)
     start = time.monotonic()
     with tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", disable=None) as bar:
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
                 for name in st.keys():
-                    if name not in params:
+                    target = model.checkpoint_target(name, params)
+                    if target is None:
                         continue  # e.g. rotary inv_freq, or lm_head when tied
+                    param_name, dest = target
                     tensor = st.get_tensor(name)
-                    if tensor.shape != params[name].shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+                    if tensor.shape != dest.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
                     with torch.no_grad():
-                        params[name].copy_(tensor)
+                        dest.copy_(tensor)
                     loaded.add(name)
+                    covered[param_name] = covered.get(param_name, 0) + dest.numel()
                     bar.update(tensor.numel() * tensor.element_size())
-    missing = set(params) - loaded
+    missing = {n for n, p in params.items() if covered.get(n, 0) != p.numel()}
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     log.info("loaded %d tensors (%.1f MB) from %d file(s) in %.1f s", len(loaded), total / 1e6, len(files),

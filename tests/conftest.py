@@ -37,16 +37,20 @@ def hf_model(bundled_dir):
 
 
 def write_tiny_llama(path: Path, bundled_dir: Path, *, tie: bool = False, seed: int = 0, shard: str | None = "300KB",
-                     **overrides) -> Path:
-    """A random-initialized Llama with the bundled tokenizer, saved as (sharded) safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+                     arch: str = "llama", **overrides) -> Path:
+    """A random-initialized Llama-family model (llama, qwen2: q/k/v bias, mistral) with the bundled tokenizer,
+    saved as (sharded) safetensors."""
+    import transformers
+
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    config_cls, model_cls = getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
     torch.manual_seed(seed)
     cfg = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                tie_word_embeddings=tie, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
     cfg.update(overrides)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model = model_cls(config_cls(**cfg))
     model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (bundled_dir / name).exists():

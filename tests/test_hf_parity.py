@@ -94,9 +94,9 @@ def _prefill_logits(model, ids: list[int], chunks: list[int], block_size: int = 
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_tiny_sharded_checkpoint_logits_match_hf(tmp_path, bundled_dir, tie):
-    path = write_tiny_llama(tmp_path / "tiny", bundled_dir, tie=tie, seed=3)
+@pytest.mark.parametrize("arch, tie", [("llama", False), ("llama", True), ("qwen2", False), ("mistral", False)])
+def test_tiny_sharded_checkpoint_logits_match_hf(tmp_path, bundled_dir, arch, tie):
+    path = write_tiny_llama(tmp_path / "tiny", bundled_dir, tie=tie, seed=3, arch=arch)
     assert len(list(path.glob("*.safetensors"))) > 1, "the checkpoint should be sharded"
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_model(hf.config, path, torch.float32, torch.device("cpu"))
