@@ -114,8 +114,9 @@ class Reconciler:
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         spec = LLMDeploymentSpec.model_validate(body.get("spec") or {})
         result = ReconcileResult(problems=check_servable(self.core, namespace, spec))
+        blocked = bool(result.problems)
         deployment = None
-        if not result.problems:
+        if not blocked:
             wanted = desired_objects(name, namespace, uid, spec)
             for obj in wanted:
                 try:
@@ -130,7 +131,7 @@ class Reconciler:
                     name=naming.engine_name(name), namespace=namespace).to_dict()
             except NotFoundError:
                 deployment = None
-        new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems)
+        new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked)
         old = body.get("status") or {}
         if status_changed(merge_transition_times(new, old), old):
             client.CustomObjectsApi(self.api).patch_namespaced_custom_object_status(

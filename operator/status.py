@@ -38,16 +38,19 @@ def _rollout(deployment: dict | None, autoscaling: bool) -> tuple[bool, bool, st
 
 
 def compute_status(name: str, namespace: str, generation: int, spec: LLMDeploymentSpec,
-                   deployment: dict | None, problems: list[tuple[str, str]]) -> dict:
-    """The status to write. `problems` are (reason, message) pairs that keep the spec from being served."""
+                   deployment: dict | None, problems: list[tuple[str, str]], blocked: bool = False) -> dict:
+    """The status to write. `problems` are (reason, message) pairs of what is wrong; `blocked`: they keep the
+    engines from being created at all (else, e.g. KEDA missing, the engines may still serve)."""
     progressing, ready, reason, message = _rollout(deployment, spec.autoscaling.enabled)
     if problems:
         degraded = _condition("Degraded", True, problems[0][0], "; ".join(m for _, m in problems), generation)
+    else:
+        degraded = _condition("Degraded", False, "AsExpected", "all children reconciled", generation)
+    if blocked:
         ready_cond = _condition("Ready", False, problems[0][0], degraded["message"], generation)
         progressing_cond = _condition("Progressing", False, problems[0][0], "waiting for the spec to be fixed", generation)
     else:
-        degraded = _condition("Degraded", False, "AsExpected", "all children reconciled", generation)
-        ready_cond = _condition("Ready", ready, reason if ready or reason != "Available" else "Unavailable", message, generation)
+        ready_cond = _condition("Ready", ready, reason, message, generation)
         progressing_cond = _condition("Progressing", progressing, reason if progressing else "Complete", message, generation)
     dstatus = (deployment or {}).get("status") or {}
     return {

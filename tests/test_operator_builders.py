@@ -224,9 +224,13 @@ def test_status_conditions_follow_the_deployment():
     conds = {c["type"]: c for c in done["conditions"]}
     assert (conds["Ready"]["status"], conds["Progressing"]["status"], conds["Degraded"]["status"]) == ("True", "False", "False")
     assert done["readyReplicas"] == 2 and done["observedGeneration"] == 3 and done["endpoint"].startswith("http://m-lb.ns")
-    bad = compute_status("m", "ns", 3, spec, dep, [("SecretNotFound", "Secret ns/k does not exist")])
+    bad = compute_status("m", "ns", 3, spec, None, [("SecretNotFound", "Secret ns/k does not exist")], blocked=True)
     conds = {c["type"]: c for c in bad["conditions"]}
     assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "SecretNotFound"
+    assert conds["Ready"]["status"] == "False" and conds["Progressing"]["status"] == "False"
+    no_keda = compute_status("m", "ns", 3, spec, dep, [("MissingCRD", "install KEDA")])
+    conds = {c["type"]: c for c in no_keda["conditions"]}
+    assert conds["Degraded"]["status"] == "True" and conds["Ready"]["status"] == "True"  # the engines still serve
     first = merge_transition_times(done, None)
     again = merge_transition_times(compute_status("m", "ns", 3, spec, dep, []), first)
     assert not status_changed(again, first)
