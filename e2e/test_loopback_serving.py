@@ -144,6 +144,8 @@ def test_streams_token_by_token_through_nginx_and_spreads_over_both_replicas(eng
             arrivals.append(time.monotonic() - start)
             text += chunk.choices[0].text
     # Unbuffered: the first token arrives long before the last; bunching would put them all at the end.
+    print(f"\n[e2e] {len(arrivals)} chunks through nginx: first at {arrivals[0]:.2f} s, middle at "
+          f"{arrivals[len(arrivals) // 2]:.2f} s, last at {arrivals[-1]:.2f} s")
     assert len(arrivals) >= 24
     assert arrivals[0] < 0.5 * arrivals[-1], arrivals
     assert arrivals[len(arrivals) // 2] < 0.8 * arrivals[-1], arrivals
@@ -156,6 +158,7 @@ def test_streams_token_by_token_through_nginx_and_spreads_over_both_replicas(eng
         list(pool.map(lambda i: c.chat.completions.create(model=SPEC.model.name, max_tokens=8,
                                                           messages=[{"role": "user", "content": f"Count to {i}"}]), range(16)))
     grown = [served(e) - b for e, b in zip(engines, before)]
+    print(f"[e2e] 16 chat requests through nginx: {grown[0]:.0f} + {grown[1]:.0f} per replica")
     assert sum(grown) == 16 and min(grown) >= 4, grown  # least_conn: both replicas took a real share
 
 
@@ -182,6 +185,7 @@ def test_scaled_object_query_through_prometheus_gives_the_replicas_keda_would_as
     threading.Thread(target=load, daemon=True).start()
     peak = wait_for_value(lambda v: v > threshold * 3, 60)  # 2 replicas x 4 running; the rest wait
     desired = min(math.ceil(peak / threshold), SPEC.autoscaling.max_replicas)  # HPA on an AverageValue metric
+    print(f"[e2e] ScaledObject query peaked at {peak:.0f} waiting (threshold {threshold:.0f}) -> KEDA asks {desired} replicas")
     assert desired > len(engines), (peak, desired)
     assert done.wait(300)
     idle = wait_for_value(lambda v: v <= activation, 30)  # idle: below activation, KEDA scales to minReplicas 0
@@ -223,6 +227,8 @@ def test_rolling_drain_loses_no_request(engines, nginx):
         during = [c.completions.create(model=SPEC.model.name, prompt="New user", max_tokens=4) for _ in range(4)]
         for f in futures:
             f.result()  # raises if any request failed
+    print(f"[e2e] drain: {sum(r[0] == 'length' for r in results if r)}/32 streams finished 'length', "
+          f"{len(during)} new requests during the drain all answered")
     assert all(r.choices[0].finish_reason == "length" for r in during)
     assert [r[0] for r in results] == ["length"] * 32
     assert all(len(r[1]) > 0 for r in results)
