@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kubernetes import client
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+from kubernetes.utils import parse_quantity
 
 from pagekube.operator import naming
 from pagekube.operator.desired import desired_objects
@@ -42,7 +43,17 @@ def contains(live, want) -> bool:
             contains(live[k], v) if k in live else v == [] for k, v in want.items())
     if isinstance(want, list):
         return isinstance(live, list) and len(live) == len(want) and all(contains(a, b) for a, b in zip(live, want))
-    return live == want
+    return live == want or _same_quantity(live, want)
+
+
+def _same_quantity(live, want) -> bool:
+    """The API server rewrites quantities canonically ("0.5" -> "500m", "1024Mi" -> "1Gi"): equal, not drift."""
+    if not (isinstance(live, str) and isinstance(want, str)):
+        return False
+    try:
+        return parse_quantity(live) == parse_quantity(want)
+    except ValueError:
+        return False
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -211,6 +212,8 @@ def test_contains_is_the_no_write_rule():
     assert contains({"a": 1, "b": {"c": [1, {"d": 2, "e": 3}]}, "z": 0}, {"a": 1, "b": {"c": [1, {"d": 2}]}})
     assert not contains({"a": 1}, {"a": 2}) and not contains({"l": [1, 2]}, {"l": [1]})
     assert contains({"x": 1}, {"env": []})  # empty lists read back as absent
+    assert contains({"cpu": "500m", "memory": "1Gi"}, {"cpu": "0.5", "memory": "1024Mi"})  # canonical quantities
+    assert not contains({"cpu": "500m"}, {"cpu": "1"}) and not contains({"image": "a"}, {"image": "b"})
 
 
 def test_status_conditions_follow_the_deployment():
@@ -252,3 +255,21 @@ def test_the_operator_imports_no_torch():
     code = ("import sys; import pagekube.operator.cli, pagekube.operator.handlers, pagekube.operator.reconciler; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_render_cli_prints_the_objects_offline(example):
+    exe = str(Path(sys.executable).parent / "pagekube-operator")
+    r = subprocess.run([exe, "render", "-f", str(example)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert list(yaml.safe_load_all(r.stdout)) == rendered(example)
+
+
+def test_render_cli_explains_a_bad_manifest(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: serving.pagekube.io/v1alpha1\nkind: LLMDeployment\nmetadata: {name: x}\n"
+                   "spec: {model: {name: m, source: 'ftp://nope'}, replicas: -1}\n")
+    r = subprocess.run([str(Path(sys.executable).parent / "pagekube-operator"), "render", "-f", str(bad)],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stdout == ""
+    assert "model.source" in r.stderr and "replicas" in r.stderr and "invalid LLMDeployment spec" in r.stderr
