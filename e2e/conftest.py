@@ -28,15 +28,13 @@ def control_plane(tmp_path_factory, pytestconfig):
         cp.stop()
 
 
-@pytest.fixture(scope="session")
-def operator(control_plane, tmp_path_factory):
-    """`pagekube-operator run` in a subprocess, as a cluster would run it (kopf, JSON logs)."""
+def start_operator(env: dict, log_path: Path, *args: str) -> subprocess.Popen:
+    """`pagekube-operator run` in a subprocess, as a cluster would run it (kopf, JSON logs); waits for liveness."""
     port = free_port()
-    log_path = Path(tmp_path_factory.mktemp("operator")) / "operator.log"
     log = open(log_path, "w")
     exe = Path(sys.executable).parent / "pagekube-operator"
-    proc = subprocess.Popen([str(exe), "run", "--resync-seconds=3", f"--liveness=http://127.0.0.1:{port}/healthz"], env=control_plane.env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([str(exe), "run", "--resync-seconds=3", f"--liveness=http://127.0.0.1:{port}/healthz", *args],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -48,6 +46,13 @@ def operator(control_plane, tmp_path_factory):
             time.sleep(0.3)
     proc.log_path = log_path
     proc.liveness = f"http://127.0.0.1:{port}/healthz"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane, tmp_path_factory):
+    """The operator with the admin kubeconfig, for one test module (others may run their own)."""
+    proc = start_operator(control_plane.env, Path(tmp_path_factory.mktemp("operator")) / "operator.log")
     yield proc
     stop_process_group(proc, grace=15)
 
