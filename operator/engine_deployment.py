@@ -89,6 +89,7 @@ def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[di
         }
     else:  # s3
         init = {"name": "model-download", "image": S3_IMAGE, "args": ["s3", "sync", spec.model.source, model_path(spec)]}
+        env = [{"name": "HOME", "value": "/tmp"}, *env]  # runs as the pod's non-root user: aws-cli needs a writable home
     init.update({"env": env, "volumeMounts": mounts})
     return [volume], [init]
 

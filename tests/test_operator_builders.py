@@ -163,6 +163,16 @@ def test_hf_source_downloads_in_an_init_container_and_cpu_only_has_no_gpu():
     assert engine_args(spec)[:1] == ["/models/model"] and "--device" in engine_args(spec)
 
 
+def test_s3_source_syncs_in_an_aws_cli_init_container():
+    spec = spec_of(model={"name": "m", "source": "s3://bucket/models/llama"},
+                   engine={"env": [{"name": "AWS_REGION", "value": "eu-west-1"}]})
+    pod = build_engine_deployment("m", "ns", spec)["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["args"] == ["s3", "sync", "s3://bucket/models/llama", "/models/model"]
+    assert {"name": "AWS_REGION", "value": "eu-west-1"} in init["env"] and pod["volumes"][0]["emptyDir"] == {}
+    assert pod["containers"][0]["args"][0] == "/models/model"
+
+
 def test_autoscaling_decides_who_owns_replicas():
     off = desired_objects("m", "ns", "uid", spec_of(replicas=2))
     on = desired_objects("m", "ns", "uid", spec_of(replicas=2, autoscaling={"enabled": True, "minReplicas": 0}))
