@@ -177,13 +177,14 @@ def test_scaled_object_query_through_prometheus_gives_the_replicas_keda_would_as
     done = threading.Event()
 
     def load():
-        with ThreadPoolExecutor(24) as pool:
+        with ThreadPoolExecutor(32) as pool:
             list(pool.map(lambda i: c.completions.create(model=SPEC.model.name, prompt=f"Story {i}:", max_tokens=48,
-                                                         extra_body={"ignore_eos": True}), range(24)))
+                                                         extra_body={"ignore_eos": True}), range(32)))
         done.set()
 
     threading.Thread(target=load, daemon=True).start()
-    peak = wait_for_value(lambda v: v > threshold * 3, 60)  # 2 replicas x 4 running; the rest wait
+    # 2 replicas x 4 running, the rest wait: more than 2 x threshold waiting means KEDA wants more than 2 replicas.
+    peak = wait_for_value(lambda v: v > threshold * 2, 60)
     desired = min(math.ceil(peak / threshold), SPEC.autoscaling.max_replicas)  # HPA on an AverageValue metric
     print(f"[e2e] ScaledObject query peaked at {peak:.0f} waiting (threshold {threshold:.0f}) -> KEDA asks {desired} replicas")
     assert desired > len(engines), (peak, desired)
@@ -210,7 +211,7 @@ def test_rolling_drain_loses_no_request(engines, nginx):
 
     def stream(i):
         text, finish = "", None
-        for chunk in c.completions.create(model=SPEC.model.name, prompt=f"Tale {i}:", max_tokens=32, stream=True,
+        for chunk in c.completions.create(model=SPEC.model.name, prompt=f"Tale {i}:", max_tokens=48, stream=True,
                                           extra_body={"ignore_eos": True}):
             if chunk.choices:
                 text += chunk.choices[0].text or ""
@@ -223,11 +224,15 @@ def test_rolling_drain_loses_no_request(engines, nginx):
         _poll(lambda: metric(httpx.get(leaving.url + "/metrics").text, "vllm:num_requests_running"), lambda v: v > 0, 60)
         nginx.reload([f"127.0.0.1:{engines[0].port}"])  # endpoint removal
         time.sleep(SPEC.drain.pre_stop_delay_seconds)  # the preStop sleep
+        in_flight = sum(metric(httpx.get(leaving.url + "/metrics").text, m)
+                        for m in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        assert in_flight > 0, "the leaving replica finished before SIGTERM: nothing would test the drain"
         leaving.signal(signal.SIGTERM)
         during = [c.completions.create(model=SPEC.model.name, prompt="New user", max_tokens=4) for _ in range(4)]
         for f in futures:
             f.result()  # raises if any request failed
-    print(f"[e2e] drain: {sum(r[0] == 'length' for r in results if r)}/32 streams finished 'length', "
+    print(f"[e2e] drain: SIGTERM with {in_flight:.0f} requests on the leaving replica; "
+          f"{sum(r[0] == 'length' for r in results if r)}/32 streams finished 'length', "
           f"{len(during)} new requests during the drain all answered")
     assert all(r.choices[0].finish_reason == "length" for r in during)
     assert [r[0] for r in results] == ["length"] * 32
