@@ -6,9 +6,9 @@ the kubelet and controllers would, and says so.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.k8s_tools import REPO, kubectl, third_party_crd_files, tool_paths
+from tests.server_process import free_port
 
 ADMIN_TOKEN = "pagekube-e2e-admin-token"
 # Every request that writes, with its verb and object: the idempotence tests count them.
@@ -28,12 +29,6 @@ rules:
     verbs: [create, update, patch, delete, deletecollection]
   - level: None
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_process_group(p: subprocess.Popen, grace: float = 10) -> None:
@@ -177,8 +172,6 @@ current-context: e2e
 
     def writes(self, namespace: str | None = None, exclude_users: tuple[str, ...] = ()) -> list[dict]:
         """Write requests in the audit log so far (one entry per request, at ResponseComplete)."""
-        import json
-
         events = []
         for line in self.audit_log.read_text().splitlines():
             e = json.loads(line)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import ControlPlane, free_port, stop_process_group
+from e2e.cluster import ControlPlane, stop_process_group
+from tests.server_process import free_port
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ import yaml
 
 from e2e.cluster import stop_process_group
 from e2e.conftest import start_operator
-from e2e.test_operator import children, condition, manifest, wait_for
+from e2e.test_operator import children, condition, manifest
+from e2e.waiting import wait_for
 from tests.k8s_tools import REPO, helm
 
 NAMESPACE, RELEASE_NS = "team-rbac", "pagekube-system"

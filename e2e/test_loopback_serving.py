@@ -21,11 +21,11 @@ import openai
 import pytest
 import yaml
 
-from e2e.cluster import free_port
+from e2e.waiting import wait_for
 from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.nginx import render_nginx_conf
 from pagekube.operator.spec import LLMDeploymentSpec
-from tests.server_process import ServerProcess, metric
+from tests.server_process import ServerProcess, free_port, metric
 
 pytestmark = pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("prometheus")),
                                 reason="nginx and prometheus (Debian packages) are installed by scripts/test-deps.sh")
@@ -67,15 +67,13 @@ class Nginx:
 
 
 def wait_http(url, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def ok():
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
+            return httpx.get(url, timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
+            return False
+
+    wait_for(ok, timeout=timeout, what=url, interval=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +169,10 @@ def query(prometheus, promql) -> float:
 def test_scaled_object_query_through_prometheus_gives_the_replicas_keda_would_ask_for(engines, nginx, prometheus):
     trigger = build_scaled_object(NAME, NAMESPACE, SPEC)["spec"]["triggers"][0]["metadata"]
     promql, threshold, activation = trigger["query"], float(trigger["threshold"]), float(trigger["activationThreshold"])
-    wait_for_value = lambda ok, timeout: _poll(lambda: query(prometheus, promql), ok, timeout)  # noqa: E731
+
+    def wait_for_value(ok, timeout):
+        return wait_for(lambda: query(prometheus, promql), ok, timeout, what="the ScaledObject query")
+
     wait_for_value(lambda v: v == 0, 30)
     c = client(nginx)
     done = threading.Event()
@@ -193,17 +194,6 @@ def test_scaled_object_query_through_prometheus_gives_the_replicas_keda_would_as
     assert idle == 0 and SPEC.autoscaling.min_replicas == 0
 
 
-def _poll(read, ok, timeout):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = read()
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"value stayed at {value}")
-        time.sleep(0.5)
-
-
 def test_rolling_drain_loses_no_request(engines, nginx):
     """32 streams in flight; replica 1 leaves as in a rollout: endpoints drop it, preStop sleeps, SIGTERM drains it."""
     c = client(nginx)
@@ -221,7 +211,8 @@ def test_rolling_drain_loses_no_request(engines, nginx):
     leaving = engines[1]
     with ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(stream, i) for i in range(32)]
-        _poll(lambda: metric(httpx.get(leaving.url + "/metrics").text, "vllm:num_requests_running"), lambda v: v > 0, 60)
+        wait_for(lambda: metric(httpx.get(leaving.url + "/metrics").text, "vllm:num_requests_running"), lambda v: v > 0, 60,
+                 what="streams running on the leaving replica")
         nginx.reload([f"127.0.0.1:{engines[0].port}"])  # endpoint removal
         time.sleep(SPEC.drain.pre_stop_delay_seconds)  # the preStop sleep
         in_flight = sum(metric(httpx.get(leaving.url + "/metrics").text, m)

@@ -6,28 +6,19 @@ No kubelet runs: where a test needs pods "ready" it patches their status as the 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import urllib.request
 
 import pytest
 import yaml
 
+from e2e.waiting import wait_for
 from pagekube.operator.cli import render
 from pagekube.operator.reconciler import contains
 from tests.k8s_tools import REPO
 
 CHILD_KINDS = "deployments,services,configmaps,scaledobjects,servicemonitors,prometheusrules"
-
-
-def wait_for(predicate, timeout=45.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 def get(cp, *args) -> dict | None:
@@ -226,8 +217,6 @@ def test_unservable_spec_is_degraded_with_an_event_and_the_operator_stays_health
 
 def test_control_plane_binaries_come_from_the_cache(control_plane):
     """A second run of the build script builds nothing: the binaries are reused (keyed by version)."""
-    import subprocess
-
     r = subprocess.run([str(REPO / "e2e/controlplane/build.sh")], capture_output=True, text=True, check=True)
     assert "building" not in r.stderr and "fetching" not in r.stderr
     assert "k8s-v1.35.4-etcd-v3.6.5" in r.stdout

@@ -1,0 +1,17 @@
+"""Polling, the one way the e2e tests wait for something to become true."""
+
+from __future__ import annotations
+
+import time
+
+
+def wait_for(read, ok=bool, timeout: float = 45.0, what: str = "condition", interval: float = 0.5):
+    """Call `read` until `ok(value)` holds; return that value. Fails naming `what` and the last value read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} (last value: {value!r})"[:500])
+        time.sleep(interval)
