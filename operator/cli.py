@@ -46,6 +46,11 @@ def _render(args) -> int:
     return 0
 
 
+def _crd(_args) -> int:
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
 def _run(args) -> int:
     os.environ["PAGEKUBE_RESYNC_SECONDS"] = str(args.resync_seconds)  # read when the handlers register
     import kopf
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ren.add_argument("-n", "--namespace", default="default", help="namespace for manifests that name none")
     ren.set_defaults(fn=_render)
     crd = sub.add_parser("crd", help="print the LLMDeployment CustomResourceDefinition")
-    crd.set_defaults(fn=lambda _a: sys.stdout.write(crd_yaml()) and 0)
+    crd.set_defaults(fn=_crd)
     args = parser.parse_args(argv)
     return args.fn(args)
 

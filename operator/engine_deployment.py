@@ -62,8 +62,13 @@ def _resources(spec: LLMDeploymentSpec) -> dict:
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
 
+def _user_env(spec: LLMDeploymentSpec) -> list[dict]:
+    """engine.env as Kubernetes EnvVars (the engine and the model download both get them: HF_TOKEN, AWS_*)."""
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
+
+
 def _env(spec: LLMDeploymentSpec) -> list[dict]:
-    env = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
+    env = _user_env(spec)
     ref = spec.auth.api_key_secret_ref
     if ref:
         env.append({"name": "PAGEKUBE_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
@@ -80,7 +85,7 @@ def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[di
         return [{"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}], []
     volume = {"name": "models", "emptyDir": {}}
     mounts = [{"name": "models", "mountPath": MODELS_DIR}]
-    env = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
+    env = _user_env(spec)
     if scheme == "hf":
         init = {
             "name": "model-download",

@@ -34,6 +34,11 @@ def cluster_upstreams(name: str, namespace: str) -> list[str]:
     return [f"{naming.headless_name(name)}.{namespace}.svc.cluster.local:{naming.ENGINE_PORT}"]
 
 
+def cluster_nginx_conf(name: str, namespace: str, spec: LLMDeploymentSpec) -> str:
+    """The config as a cluster gets it: upstream = the headless Service, re-resolved."""
+    return render_nginx_conf(spec, cluster_upstreams(name, namespace))
+
+
 def render_nginx_conf(spec: LLMDeploymentSpec, upstreams: list[str], resolver: str = CLUSTER_RESOLVER,
                       listen: str = str(naming.LB_PORT)) -> str:
     """nginx.conf for these upstream addresses (host:port). Host names are re-resolved (`resolve`, nginx >= 1.27.3).
@@ -104,12 +109,12 @@ def build_nginx_configmap(name: str, namespace: str, spec: LLMDeploymentSpec) ->
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": naming.metadata(naming.lb_name(name), namespace, name, "load-balancer"),
-        "data": {CONFIG_KEY: render_nginx_conf(spec, cluster_upstreams(name, namespace))},
+        "data": {CONFIG_KEY: cluster_nginx_conf(name, namespace, spec)},
     }
 
 
 def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
-    config = render_nginx_conf(spec, cluster_upstreams(name, namespace))
+    config = cluster_nginx_conf(name, namespace, spec)
     lb = spec.load_balancer
     probe = {"httpGet": {"path": "/nginx-health", "port": "http"}, "periodSeconds": 5}
     return {

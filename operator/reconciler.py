@@ -91,7 +91,8 @@ class Reconciler:
     def _resource(self, api_version: str, kind: str):
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
 
-    def _apply(self, obj: dict, result: ReconcileResult) -> None:
+    def _apply(self, obj: dict, result: ReconcileResult) -> dict:
+        """Make the child match `obj`; returns it as it now is on the server."""
         resource = self._resource(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         try:
@@ -99,11 +100,12 @@ class Reconciler:
         except NotFoundError:
             live = None
         if live is not None and contains(live, obj):
-            return
-        resource.server_side_apply(body=obj, name=meta["name"], namespace=meta["namespace"],
-                                   field_manager=FIELD_MANAGER, force_conflicts=True)
+            return live
+        applied = resource.server_side_apply(body=obj, name=meta["name"], namespace=meta["namespace"],
+                                             field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
         result.writes.append(f"{obj['kind']}/{meta['name']}")
         log.info("applied %s %s/%s (%s)", obj["kind"], meta["namespace"], meta["name"], "created" if live is None else "updated")
+        return applied
 
     def _prune(self, name: str, namespace: str, uid: str, keep: set[tuple[str, str]], result: ReconcileResult) -> None:
         for api_version, kind in OWNED_KINDS:
@@ -131,17 +133,15 @@ class Reconciler:
             wanted = desired_objects(name, namespace, uid, spec)
             for obj in wanted:
                 try:
-                    self._apply(obj, result)
+                    current = self._apply(obj, result)
                 except ResourceNotFoundError:
                     hint = CRD_HINT.get(obj["apiVersion"], obj["apiVersion"])
                     result.problems.append(("MissingCRD", f"{obj['kind']} ({obj['apiVersion']}) is not served: "
                                                           f"install {hint} or turn that feature off"))
+                    continue
+                if obj["kind"] == "Deployment" and obj["metadata"]["name"] == naming.engine_name(name):
+                    deployment = current
             self._prune(name, namespace, uid, {(o["kind"], o["metadata"]["name"]) for o in wanted}, result)
-            try:
-                deployment = self._resource("apps/v1", "Deployment").get(
-                    name=naming.engine_name(name), namespace=namespace).to_dict()
-            except NotFoundError:
-                deployment = None
         new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked)
         old = body.get("status") or {}
         if status_changed(merge_transition_times(new, old), old):
