@@ -54,6 +54,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def fused_linear(in_features: int, output_sizes: list[int], bias: bool) -> nn.Linear:
+    """Several projections of the same input as one Linear; `output_sizes` says which rows belong to which."""
+    layer = nn.Linear(in_features, sum(output_sizes), bias=bias)
+    layer.output_sizes = output_sizes
+    return layer
+
+
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -65,14 +72,14 @@ class Attention(nn.Module):
         bias = getattr(config, "attention_bias", config.model_type == "qwen2")
         h = config.hidden_size
         # q, k and v in one GEMM (fewer, larger matmuls); the loader fills its rows from q_proj/k_proj/v_proj.
-        self.qkv_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
-        self.qkv_proj = nn.Linear(h, sum(self.qkv_sizes), bias=bias)
+        self.qkv_proj = fused_linear(h, [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                         self.num_kv_heads * self.head_dim], bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=getattr(config, "attention_bias", False)
                                 and config.model_type != "qwen2")
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -88,7 +95,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)  # gate rows, then up
+        self.gate_up_proj = fused_linear(config.hidden_size, [config.intermediate_size] * 2, bias)  # gate, then up
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
 
@@ -158,8 +165,7 @@ class CausalLM(nn.Module):
                 target = ".".join(parts[:i] + [fused] + parts[i + 1:])
                 if target not in params:
                     return None
-                rows = params[target].shape[0] // 2 if fused == "gate_up_proj" else None
-                sizes = [rows, rows] if rows else self.get_submodule(".".join(parts[:i])).qkv_sizes
+                sizes = self.get_submodule(".".join(parts[:i] + [fused])).output_sizes
                 return target, params[target].narrow(0, sum(sizes[:index]), sizes[index])
         return None
 
