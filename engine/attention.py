@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from pagekube.engine.model import AttentionMetadata
 from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
+DECODE_GROUP = 8  # decode tokens per batched SDPA call on the CPU (bench/offline_vs_hf.py)
+
 
 class TorchAttention:
     name = "torch"
@@ -18,12 +20,10 @@ class TorchAttention:
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if "torch" not in meta.derived:  # the plan is the same for every layer of a step
             meta.derived["torch"] = self._plan(meta, k_cache.shape[1])
-        decode_rows, slots, mask, prefills = meta.derived["torch"]
-        if decode_rows is None:
-            return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc.tolist(),
-                                       meta.context_lens_list, scale)
+        decode_groups, prefills = meta.derived["torch"]
         out = torch.empty_like(q)
-        out[decode_rows] = self._batched_decode(q[decode_rows], k_cache, v_cache, slots, mask, scale)
+        for rows, tables, mask in decode_groups:
+            out[rows] = self._batched_decode(q[rows], k_cache, v_cache, tables, mask, scale)
         for i, s, e in prefills:  # prefill chunks one by one (each its own causal shape)
             out[s:e] = paged_attention_ref(q[s:e], k_cache, v_cache, meta.block_tables[i:i + 1], [0, e - s],
                                            [meta.context_lens_list[i]], scale)
@@ -31,29 +31,41 @@ class TorchAttention:
 
     @staticmethod
     def _plan(meta: AttentionMetadata, block_size: int):
-        """Split a step into its decode tokens (one query each: batched into one SDPA call over K/V gathered to
-        the longest context, padding masked) and its prefill chunks. Fewer ops per layer is what counts on the
-        CPU, and in continuous batching most steps are many decodes plus a chunk or two of a new prompt."""
-        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        if len(decodes) < 2:
-            return None, None, None, None
+        """Split a step into groups of decode tokens (one query each) and prefill chunks. Each group is one SDPA
+        call over its K/V gathered to its longest context, padding masked. Groups are the decodes sorted by
+        context length, DECODE_GROUP at a time, so a long context pads only its neighbours: fewer ops per layer
+        is what counts on the CPU, and so is not reading padding."""
         starts = meta.query_start_loc.tolist()
-        rows = torch.tensor([starts[i] for i in decodes], device=meta.block_tables.device)
-        index = torch.tensor(decodes, device=meta.block_tables.device)
-        lens = meta.context_lens[index]
-        pos = torch.arange(max(meta.context_lens_list[i] for i in decodes), device=meta.block_tables.device)
-        slots = meta.block_tables[index][:, pos // block_size].long() * block_size + pos % block_size
-        mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        lens = meta.context_lens_list
+        decodes = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lens.__getitem__)
         prefills = [(i, starts[i], starts[i + 1]) for i, n in enumerate(meta.query_lens) if n > 1]
-        return rows, slots, mask, prefills
+        if len(decodes) == 1:
+            prefills.append((decodes[0], starts[decodes[0]], starts[decodes[0]] + 1))
+            decodes = []
+        device = meta.block_tables.device
+        groups = []
+        for g in range(0, len(decodes), DECODE_GROUP):
+            members = decodes[g:g + DECODE_GROUP]
+            index = torch.tensor(members, device=device)
+            num_blocks = -(-lens[members[-1]] // block_size)  # the longest is last
+            pos = torch.arange(num_blocks * block_size, device=device)
+            mask = (pos[None, :] < meta.context_lens[index][:, None])[:, None, None, :]
+            rows = torch.tensor([starts[i] for i in members], device=device)
+            groups.append((rows, meta.block_tables[index, :num_blocks].long().flatten(), mask))
+        return groups, prefills
 
     @staticmethod
-    def _batched_decode(q, k_cache, v_cache, slots, mask, scale: float) -> torch.Tensor:
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].transpose(1, 2)  # [seqs, kv_heads, ctx, dim]
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                             scale=scale, enable_gqa=True)
-        return out[:, :, 0, :]
+    def _batched_decode(q, k_cache, v_cache, tables, mask, scale: float) -> torch.Tensor:
+        """Whole blocks are gathered (one contiguous copy each, not one per token), and each KV head's group of
+        query heads is one SDPA row block: GQA without repeating K/V."""
+        seqs, heads, dim = q.shape
+        kv_heads = k_cache.shape[2]
+        shape = (seqs, -1, kv_heads, dim)  # index_select copies whole rows; cache[tables] goes element by element
+        k = k_cache.index_select(0, tables).view(shape).transpose(1, 2)  # [seqs, kv_heads, ctx, dim]
+        v = v_cache.index_select(0, tables).view(shape).transpose(1, 2)
+        grouped = q.view(seqs, kv_heads, heads // kv_heads, dim)  # HF's GQA: query head h reads KV head h // group
+        out = F.scaled_dot_product_attention(grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        return out.reshape(seqs, heads, dim)
 
 
 class TritonAttention:

@@ -171,4 +171,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        if hidden.device.type == "cpu" and hidden.shape[0] > 1:
+            # MKL runs a tall [vocab, hidden] weight at half speed; slices of 2048 rows stay fast (1.7x at 32 rows).
+            return torch.cat([F.linear(hidden, w) for w in weight.split(2048)], dim=-1).float()
         return F.linear(hidden, weight).float()

@@ -19,7 +19,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     """The first `context_len` tokens of one sequence, [context_len, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:context_len]
+    return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:context_len]  # row copies
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
