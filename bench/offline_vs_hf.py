@@ -1,6 +1,6 @@
 """Offline engine vs Hugging Face transformers static batching, same model, prompts and outputs, one run.
 
-    .venv/bin/python bench/offline_vs_hf.py --requests 64 --max-output 256 --out docs/bench_offline
+    .venv/bin/python bench/offline_vs_hf.py --requests 64 --max-output 512 --out docs/bench_offline
 
 Workload (seeded): prompts of 32-512 random tokens, output lengths 16..--max-output, ignore_eos. HF static
 batching: batches of 32 in arrival order, left-padded, each batch generating until its longest request is done
@@ -31,10 +31,23 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def kv_bytes_for(batch: int, max_len: int) -> int:
+    """A float32 KV pool that holds `batch` sequences of `max_len` tokens, so the engine never preempts: HF's own
+    cache grows to that size too (its peak RSS shows it)."""
+    from transformers import AutoConfig
+
+    from pagekube.engine.model_files import resolve_model_dir
+
+    c = AutoConfig.from_pretrained(resolve_model_dir(None))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return batch * max_len * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4
+
+
 def run_pagekube(prompts, outputs, batch: int) -> dict:
     from pagekube.engine import LLM, SamplingParams
 
-    llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=4096)
+    kv_bytes = kv_bytes_for(batch, max(len(p) for p in prompts) + max(outputs))
+    llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=4096, kv_cache_memory=kv_bytes)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -102,7 +115,7 @@ def plot(rows, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--max-output", type=int, default=512)
     ap.add_argument("--single", type=int, default=4, help="requests for the batch-1 comparison")
     ap.add_argument("--out", default="docs/bench_offline")
     ap.add_argument("--mode", choices=["hf", "pagekube"], help=argparse.SUPPRESS)
