@@ -39,9 +39,6 @@ class TorchAttention:
         lens = meta.context_lens_list
         decodes = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lens.__getitem__)
         prefills = [(i, starts[i], starts[i + 1]) for i, n in enumerate(meta.query_lens) if n > 1]
-        if len(decodes) == 1:
-            prefills.append((decodes[0], starts[decodes[0]], starts[decodes[0]] + 1))
-            decodes = []
         device = meta.block_tables.device
         groups = []
         for g in range(0, len(decodes), DECODE_GROUP):
