@@ -119,6 +119,8 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (n > 1 sampling): ref counts go up, nothing is copied yet."""
+        if not parent.block_table:  # its KV is gone (finished or preempted): the child would read others' blocks
+            raise RuntimeError(f"fork from {parent} which holds no blocks")
         for b in parent.block_table:
             self.blocks[b].ref_count += 1
         child.block_table = list(parent.block_table)

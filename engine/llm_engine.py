@@ -19,7 +19,7 @@ from pagekube.engine.detokenizer import (
 from pagekube.engine.model_files import resolve_model_dir
 from pagekube.engine.model_runner import ModelRunner
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
-from pagekube.engine.sampler import Sampler, SampleResult
+from pagekube.engine.sampler import Sampler
 from pagekube.engine.sampling_params import SamplingParams
 from pagekube.engine.scheduler import Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
@@ -55,7 +55,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.eos_token_ids, config.seed)
+        self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
         self.stat_listener = stat_listener
         self.served_model_name = config.served_model_name or (
@@ -96,6 +96,9 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
         if not token_ids:
             raise RequestRejected("the prompt is empty", "prompt")
+        if params.n > self.config.max_num_seqs:
+            raise RequestRejected(f"n={params.n} sequences exceed the {self.config.max_num_seqs} a step may run "
+                                  "(max_num_seqs)", "n")
         vocab = self.hf_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -126,8 +129,7 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+                self._finish_seq(seq, "abort", None)
         self._finalize(req)
         if self.stat_listener:
             self.stat_listener.refresh(self)  # gauges must drop now, even if no step follows
@@ -156,14 +158,14 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        rows, seqs = self._expand_forks([batch.seqs[i] for i in sample_idx])
-        results = self.sampler(logits[rows], seqs)
+        rows, seqs = self._fork_pending([batch.seqs[i] for i in sample_idx])
+        sampled = self.sampler(logits[rows], seqs)
         touched: dict[str, Request] = {}
-        for seq, result in zip(seqs, results, strict=True):
-            self._append_token(seq, result)
+        for j, seq in enumerate(seqs):
+            self._append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
             touched[seq.request.request_id] = seq.request
         if self.stat_listener:
-            self.stat_listener.on_iteration(self, batch.num_batched_tokens, len(results), batch.num_preempted)
+            self.stat_listener.on_iteration(self, batch.num_batched_tokens, len(seqs), batch.num_preempted)
         outputs = []
         for req in touched.values():
             if req.is_finished:
@@ -172,23 +174,24 @@ class LLMEngine:
             outputs.append(self.make_output(req))
         return outputs
 
-    @staticmethod
-    def _expand_forks(sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """A request with n > 1 samples all its sequences from the first one's prompt logits, then forks.
+    def _fork_pending(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """A request with n > 1 samples all its sequences from the first one's prompt logits. The children fork
+        here, before any token is appended: choice 0 may finish on this very token and give its blocks back.
         Returns, per sequence to sample, its row in the logits."""
         rows, seqs = [], []
         for i, seq in enumerate(sampled):
-            group = [seq]
+            rows.append(i)
+            seqs.append(seq)
             if seq.index == 0 and seq.num_output_tokens == 0:
-                group += [s for s in seq.request.seqs[1:] if s.status == SequenceStatus.FORK_PENDING]
-            rows += [i] * len(group)
-            seqs += group
+                for child in seq.request.seqs[1:]:
+                    if child.status == SequenceStatus.FORK_PENDING:
+                        self.block_manager.fork(seq, child)
+                        self.scheduler.add_running(child)
+                        rows.append(i)
+                        seqs.append(child)
         return rows, seqs
 
-    def _append_token(self, seq: Sequence, result: SampleResult) -> None:
-        if seq.status == SequenceStatus.FORK_PENDING:
-            self.block_manager.fork(seq.request.seqs[0], seq)
-            self.scheduler.add_running(seq)
+    def _append_token(self, seq: Sequence, tok: int, logprob: float | None, top: dict[int, float] | None) -> None:
         req, p = seq.request, seq.request.params
         now = time.monotonic()
         m = req.metrics
@@ -200,12 +203,11 @@ class LLMEngine:
             else:
                 m.token_gaps.append(now - m.last_token_time)
             m.last_token_time = now
-        seq.token_ids.append(result.token_id)
-        seq.cumulative_logprob += result.logprob
+        seq.token_ids.append(tok)
         if p.logprobs is not None:
-            seq.logprobs.append(result.top_logprobs)
+            seq.cumulative_logprob += logprob
+            seq.logprobs.append(top)
         delta = detokenize_incrementally(self.tokenizer, seq, p.skip_special_tokens)
-        tok = result.token_id
         if tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
             self._finish_seq(seq, "stop", tok)
         elif tok in self.eos_token_ids and not p.ignore_eos and seq.num_output_tokens >= p.min_tokens:
@@ -218,6 +220,7 @@ class LLMEngine:
     def _finish_seq(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        self.sampler.release(seq)
 
     def _finalize(self, req: Request) -> None:
         req.metrics.finished_time = time.monotonic()
@@ -230,7 +233,7 @@ class LLMEngine:
                 index=s.index,
                 text=streamable_text(s),
                 token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob,
+                cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
                 logprobs=s.logprobs if req.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,

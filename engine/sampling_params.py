@@ -56,6 +56,10 @@ class SamplingParams(BaseModel):
         return self
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

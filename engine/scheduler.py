@@ -66,8 +66,11 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while not batch.num_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = len(self.running) + sum(pending_forks(s) for s in self.running)
+        while not batch.num_preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seats + 1 + pending_forks(seq) > self.max_num_seqs:
+                break
             cached, hashes = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else ([], [])
             num_new = min(seq.num_tokens - seq.num_computed_tokens - len(cached) * bm.block_size, budget)
             if not bm.allocate_slots(seq, num_new, cached, hashes):
@@ -75,6 +78,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += 1 + pending_forks(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
@@ -83,7 +87,8 @@ class Scheduler:
         return batch
 
     def add_running(self, seq: Sequence) -> None:
-        """A forked sequence joins the batch directly: it already shares its parent's computed blocks."""
+        """A forked sequence joins the running set directly: it shares its parent's computed blocks, and its seat
+        was reserved when the parent was admitted."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -102,3 +107,10 @@ class Scheduler:
         seq.request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+
+def pending_forks(seq: Sequence) -> int:
+    """Seats a sequence reserves for the n > 1 siblings that will fork from it after its prefill."""
+    if seq.index != 0 or seq.num_output_tokens:
+        return 0
+    return sum(1 for s in seq.request.seqs[1:] if s.status == SequenceStatus.FORK_PENDING)

@@ -7,8 +7,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagekube.engine.sampling_params import SamplingParams
 
 
@@ -40,10 +38,6 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
         self.output_text = ""
         self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
-        params = request.params
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed + index)
 
     @property
     def num_tokens(self) -> int:
