@@ -2,26 +2,31 @@
 
 The engine itself is touched only by its thread. Other threads hand it commands through a queue (add, abort) and
 get outputs back through their event loop (call_soon_threadsafe), so a slow client never stalls the batch.
+Tokenization and chat templating run on one tokenizer thread, never on the event loop: a long prompt must not
+stall every other stream's chunks (HF fast tokenizers release the GIL).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
 
-from pagekube.engine.llm_engine import LLMEngine
+from pagekube.engine.errors import EngineDeadError
 from pagekube.engine.outputs import RequestOutput
 from pagekube.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagekube.engine.llm_engine import LLMEngine
+
 log = logging.getLogger("pagekube.engine")
-
-
-class EngineDeadError(RuntimeError):
-    pass
+T = TypeVar("T")
 
 
 class RequestStream:
@@ -65,6 +70,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.dead: BaseException | None = None
         self._waiting_snapshot = 0
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -79,18 +85,29 @@ class AsyncEngine:
         must not be iterated from here while it changes), plus adds not yet picked up."""
         return self._waiting_snapshot + self._commands.qsize()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> RequestStream:
-        """Validate and queue a request. Raises RequestRejected (bad request) before anything is queued."""
-        if self.dead:
-            raise EngineDeadError("the engine loop has stopped")
+    async def run_tokenizer(self, fn: Callable[..., T], *args) -> T:
+        """Run a tokenizer call (encode, chat template, decode) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams,
+                          request_id: str | None = None) -> RequestStream:
+        """Tokenize, validate and queue a request. Raises RequestRejected (bad request) before anything is queued."""
+        self._check_alive()
         request_id = request_id or uuid.uuid4().hex
-        req = self.engine.prepare_request(request_id, prompt, params)
+        req = await self.run_tokenizer(self.engine.prepare_request, request_id, prompt, params)
         out_q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request_id] = (asyncio.get_running_loop(), out_q)
+        if self.dead:  # it died while we tokenized; a stream registered after its last words would hang
+            with self._lock:
+                self._streams.pop(request_id, None)
+            self._check_alive()
         self._commands.put(("add", req))
         return RequestStream(self, req, out_q)
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise EngineDeadError(f"the engine loop has stopped: {self.dead}")
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -102,6 +119,7 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout=10)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the loop thread -----------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -45,9 +45,9 @@ def find_stop_string(seq: Sequence, delta: str) -> str | None:
     return stop
 
 
-def streamable_text(seq: Sequence) -> str:
-    """Text safe to show now: a tail that could still become a stop string is held back until it cannot."""
+def streamable_len(seq: Sequence) -> int:
+    """Length of the text safe to show now: a tail that could still become a stop string is held back until it
+    cannot."""
     if seq.is_finished:
-        return seq.output_text
-    hold = seq.request.params.max_stop_len - 1
-    return seq.output_text[: len(seq.output_text) - hold] if hold > 0 else seq.output_text
+        return len(seq.output_text)
+    return max(0, len(seq.output_text) - max(0, seq.request.params.max_stop_len - 1))

@@ -7,10 +7,11 @@ from collections.abc import Sequence as Seq
 
 from tqdm import tqdm
 
+from pagekube.engine.chat import chat_prompt_ids
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.engine.outputs import RequestOutput
-from pagekube.engine.sampling_params import SamplingParams
+from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -35,7 +36,7 @@ class LLM:
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
             rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}))
             ids.append(rid)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
@@ -54,5 +55,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)

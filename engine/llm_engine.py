@@ -14,25 +14,18 @@ from pagekube.engine.detokenizer import (
     detokenize_incrementally,
     find_stop_string,
     start_detokenizer,
-    streamable_text,
+    streamable_len,
 )
+from pagekube.engine.errors import RequestRejected
 from pagekube.engine.model_files import resolve_model_dir
 from pagekube.engine.model_runner import ModelRunner
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampler import Sampler
-from pagekube.engine.sampling_params import SamplingParams
+from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagekube.engine.scheduler import Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
 
 log = logging.getLogger("pagekube.engine")
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served as asked; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 class StatListener(Protocol):
@@ -45,7 +38,7 @@ class StatListener(Protocol):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, stat_listener: StatListener | None = None):
+    def __init__(self, config: EngineConfig, stat_listeners: list[StatListener] = ()):
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
@@ -57,7 +50,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
-        self.stat_listener = stat_listener
+        self.stat_listeners = list(stat_listeners)
         self.served_model_name = config.served_model_name or (
             self.model_dir.name if config.model else "SmolLM2-135M-Instruct")
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MB), device %s, dtype %s, attention %s",
@@ -131,8 +124,8 @@ class LLMEngine:
             if not seq.is_finished:
                 self._finish_seq(seq, "abort", None)
         self._finalize(req)
-        if self.stat_listener:
-            self.stat_listener.refresh(self)  # gauges must drop now, even if no step follows
+        for listener in self.stat_listeners:
+            listener.refresh(self)  # gauges must drop now, even if no step follows
         return self.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -164,13 +157,15 @@ class LLMEngine:
         for j, seq in enumerate(seqs):
             self._append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
             touched[seq.request.request_id] = seq.request
-        if self.stat_listener:
-            self.stat_listener.on_iteration(self, batch.num_batched_tokens, len(seqs), batch.num_preempted)
+        for listener in self.stat_listeners:
+            listener.on_iteration(self, batch.num_batched_tokens, len(seqs), batch.num_preempted)
         outputs = []
         for req in touched.values():
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
                 self._finalize(req)
+            elif req.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self.make_output(req))
         return outputs
 
@@ -198,8 +193,8 @@ class LLMEngine:
         if seq.index == 0:
             if m.first_token_time is None:
                 m.first_token_time = now
-                if self.stat_listener:
-                    self.stat_listener.on_first_token(req)
+                for listener in self.stat_listeners:
+                    listener.on_first_token(req)
             else:
                 m.token_gaps.append(now - m.last_token_time)
             m.last_token_time = now
@@ -224,21 +219,30 @@ class LLMEngine:
 
     def _finalize(self, req: Request) -> None:
         req.metrics.finished_time = time.monotonic()
-        if self.stat_listener:
-            self.stat_listener.on_request_finished(req)
+        for listener in self.stat_listeners:
+            listener.on_request_finished(req)
 
     def make_output(self, req: Request) -> RequestOutput:
-        outs = [
-            CompletionOutput(
+        """The request's output as its params' output_kind asks: everything so far, or (DELTA) only what is new
+        since the last one, in O(new) work: the choices with new tokens or a finish not yet reported."""
+        delta = req.params.output_kind == RequestOutputKind.DELTA
+        outs = []
+        for s in req.seqs:
+            t0, k0 = (s.sent_text_len, s.sent_tokens) if delta else (0, 0)
+            text_end = streamable_len(s)
+            k1 = s.num_output_tokens
+            if delta:
+                if k1 == k0 and text_end == t0 and (s.finish_reason is None or s.sent_finish):
+                    continue
+                s.sent_text_len, s.sent_tokens, s.sent_finish = text_end, k1, s.finish_reason is not None
+            outs.append(CompletionOutput(
                 index=s.index,
-                text=streamable_text(s),
-                token_ids=s.output_token_ids,
+                text=s.output_text[t0:text_end],
+                token_ids=s.token_ids[s.num_prompt_tokens + k0:],
                 cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
-                logprobs=s.logprobs if req.params.logprobs is not None else None,
+                logprobs=s.logprobs[k0:] if req.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-            )
-            for s in req.seqs
-        ]
+            ))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
                              req.seqs[0].num_cached_tokens, req.metrics)

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output: streaming
+    FINAL_ONLY = 2  # one output, when the request finishes: non-streaming and LLM.generate
 
 
 class SamplingParams(BaseModel):
@@ -26,6 +36,7 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -38,6 +38,9 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
         self.output_text = ""
         self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
+        # DELTA outputs: how much of the output the caller has been given
+        self.sent_tokens = self.sent_text_len = 0
+        self.sent_finish = False
 
     @property
     def num_tokens(self) -> int:

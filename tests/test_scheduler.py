@@ -163,7 +163,7 @@ def test_prefix_cache_computes_only_the_suffix_and_output_is_unchanged(tiny_engi
     engine = tiny_engine_factory()
     generate(engine, [first], params)
     counter = TokenCounter()
-    engine.stat_listener = counter
+    engine.stat_listeners = [counter]
     engine.add_request("second", second, params)
     done = None
     while engine.has_unfinished_requests():

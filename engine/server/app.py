@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -18,11 +19,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagekube
-from pagekube.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagekube.engine.async_engine import AsyncEngine, RequestStream
+from pagekube.engine.chat import chat_prompt_ids
 from pagekube.engine.config import EngineConfig
-from pagekube.engine.llm_engine import RequestRejected
-from pagekube.engine.outputs import CompletionOutput, RequestOutput
-from pagekube.engine.server.errors import APIError, error_response
+from pagekube.engine.errors import EngineDeadError, RequestRejected
+from pagekube.engine.outputs import RequestOutput
+from pagekube.engine.sampling_params import RequestOutputKind
+from pagekube.engine.server.errors import APIError, error_body, error_response
 from pagekube.engine.server.metrics import EngineMetrics
 from pagekube.engine.server.middleware import GuardMiddleware
 from pagekube.engine.server.protocol import (
@@ -33,7 +36,7 @@ from pagekube.engine.server.protocol import (
     TokenizeRequest,
 )
 
-request_log = logging.getLogger("pagekube.requests")
+log = logging.getLogger("pagekube.server")
 
 
 @dataclass
@@ -78,7 +81,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(_, exc: Exception):
-        logging.getLogger("pagekube.server").exception("unhandled error")
+        log.exception("unhandled error")
         return error_response(500, f"internal error: {type(exc).__name__}")
 
     # ---- open endpoints ---------------------------------------------------------------------------------------
@@ -118,9 +121,13 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(state, body.model)
         tok = eng.engine.tokenizer
         if body.messages:
-            ids = chat_prompt_ids(eng, body.messages, True)
+            try:
+                ids = await eng.run_tokenizer(chat_prompt_ids, tok, conversation(body.messages), True)
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
         elif body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await eng.run_tokenizer(functools.partial(tok.encode, add_special_tokens=body.add_special_tokens),
+                                          body.prompt)
         else:
             raise APIError(400, "give either prompt or messages", param="prompt")
         return {"count": len(ids), "max_model_len": eng.engine.max_model_len, "tokens": ids}
@@ -132,50 +139,49 @@ def create_app(state: ServerState) -> FastAPI:
         vocab = len(eng.engine.tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": eng.engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await eng.run_tokenizer(eng.engine.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         eng = admit(state, body)
-        params = build_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
-        prompts = body.prompts()
-        streams = start_streams(eng, prompts, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        params = build_params(body, max_tokens, body.logprobs)
+        streams = await start_streams(eng, body.prompts(), params, rid)
         if body.stream:
             return sse(completion_chunks(state, body, rid, streams), streams)
         finals = await collect(streams, request)
         choices = []
         for i, out in enumerate(finals):
+            prompt = (out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)) if body.echo else ""
             for o in out.outputs:
-                text = (out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)) + o.text if body.echo else o.text
-                choices.append({"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
+                choices.append({"index": i * body.n + o.index, "text": prompt + o.text, "finish_reason": o.finish_reason,
                                 "stop_reason": o.stop_reason,
-                                "logprobs": completion_logprobs(eng, o, 0, len(o.token_ids)) if body.logprobs is not None else None})
-        log_request(state, rid, finals, request)
+                                "logprobs": completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None})
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-                "choices": choices, "usage": usage(finals)}
+                "choices": choices, "usage": usage(Usage.of(finals))}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng = admit(state, body)
         try:
-            ids = chat_prompt_ids(eng, body.messages, body.add_generation_prompt)
+            ids = await eng.run_tokenizer(chat_prompt_ids, eng.engine.tokenizer, conversation(body.messages),
+                                          body.add_generation_prompt)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = build_params(body, body.max_completion_tokens or body.max_tokens, top)
-        streams = start_streams(eng, [ids], params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await start_streams(eng, [ids], params, rid)
         if body.stream:
             return sse(chat_chunks(state, body, rid, streams[0]), streams)
         finals = await collect(streams, request)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": chat_logprobs(eng, o, 0, len(o.token_ids), top or 0) if body.logprobs else None}
+                    "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None}
                    for o in finals[0].outputs]
-        log_request(state, rid, finals, request)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-                "choices": choices, "usage": usage(finals)}
+                "choices": choices, "usage": usage(Usage.of(finals))}
 
     return app
 
@@ -208,32 +214,36 @@ def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
 
 
 def build_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
+    # Streams get only what is new at each step; a plain response only the final output.
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, kind)
     except ValidationError as e:  # a combination the request model alone cannot judge (e.g. min_tokens > max_tokens)
         err = e.errors()[0]
         param = ".".join(str(x) for x in err["loc"]) or None
         raise APIError(400, f"{param + ': ' if param else ''}{err['msg']}", param=param, code="invalid_request") from e
 
 
-def start_streams(eng: AsyncEngine, prompts: list, params) -> list[RequestStream]:
+async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str) -> list[RequestStream]:
+    """One engine request per prompt, with ids derived from the API request's (`rid`, or `rid-i` for several),
+    so the engine's per-request log lines name what the client saw."""
     streams: list[RequestStream] = []
     try:
-        for p in prompts:
-            streams.append(eng.add_request(p, params))
+        for i, p in enumerate(prompts):
+            streams.append(await eng.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}"))
     except RequestRejected as e:
         for s in streams:
             s.engine.abort(s.request_id)
         raise APIError(400, str(e), param=e.param, code="invalid_request") from e
     except EngineDeadError as e:
+        for s in streams:
+            s.engine.abort(s.request_id)
         raise APIError(503, str(e), code="engine_dead") from e
     return streams
 
 
-def chat_prompt_ids(eng: AsyncEngine, messages, add_generation_prompt: bool) -> list[int]:
-    convo = [{"role": m.role, "content": m.text()} for m in messages]
-    ids = eng.engine.tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+def conversation(messages) -> list[dict]:
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 async def collect(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
@@ -242,7 +252,10 @@ async def collect(streams: list[RequestStream], request: Request) -> list[Reques
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.25)
         if done:
-            return task.result()
+            try:
+                return task.result()
+            except EngineDeadError as e:
+                raise APIError(503, str(e), code="engine_dead") from e
         if await request.is_disconnected():
             task.cancel()
             for s in streams:
@@ -251,6 +264,8 @@ async def collect(streams: list[RequestStream], request: Request) -> list[Reques
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index. A stream that fails fails the
+    whole merge (its exception is raised here), so nobody waits for a pump that died."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
@@ -258,14 +273,19 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, s):
-        async for out in s:
-            await q.put((i, out))
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await q.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(streams)
         while remaining:
             i, out = await q.get()
+            if isinstance(out, BaseException):
+                raise out
             if out.finished:
                 remaining -= 1
             yield i, out
@@ -275,12 +295,18 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 def sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingResponse:
+    """SSE `data:` events ending with `data: [DONE]`. A failure mid-stream (engine loop dead, anything raised)
+    becomes one error event in the OpenAI error shape, then [DONE]: the client is told, never left hanging."""
+
     async def body():
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         except EngineDeadError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': '503'}})}\n\n"
+            yield f"data: {json.dumps(error_body(503, str(e), code='engine_dead'))}\n\n"
+        except Exception as e:  # noqa: BLE001
+            log.exception("stream failed")
+            yield f"data: {json.dumps(error_body(500, f'internal error: {type(e).__name__}'))}\n\n"
         finally:
             for s in streams:  # no-op for finished ones; aborts the rest when the client is gone
                 s.engine.abort(s.request_id)
@@ -290,50 +316,55 @@ def sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingR
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-class DeltaTracker:
-    """What of each choice has been sent so far, so each chunk carries only the new part."""
+@dataclass
+class Usage:
+    """Token counts of one API response, summed over its engine requests."""
 
-    def __init__(self):
-        self.sent_text: dict[int, int] = {}
-        self.sent_tokens: dict[int, int] = {}
-        self.finished: set[int] = set()
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
 
-    def delta(self, key: int, o: CompletionOutput) -> tuple[str, int, int, str | None] | None:
-        t0, k0 = self.sent_text.get(key, 0), self.sent_tokens.get(key, 0)
-        text, k1 = o.text[t0:], len(o.token_ids)
-        finish = o.finish_reason if o.finish_reason and key not in self.finished else None
-        if not text and finish is None and k1 == k0:
-            return None
-        self.sent_text[key], self.sent_tokens[key] = len(o.text), k1
-        if finish:
-            self.finished.add(key)
-        return text, k0, k1, finish
+    @classmethod
+    def of(cls, finals: list[RequestOutput]) -> Usage:
+        u = cls()
+        for f in finals:
+            u.add_request(f)
+            u.completion += sum(len(o.token_ids) for o in f.outputs)
+        return u
+
+    def add_request(self, out: RequestOutput) -> None:
+        self.prompt += len(out.prompt_token_ids)
+        self.cached += out.num_cached_tokens
+
+
+def usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached}}
 
 
 async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -> AsyncIterator[dict]:
-    eng, created, tracker, finals, echoed = state.engine, int(time.time()), DeltaTracker(), {}, set()
+    """Each engine output is a delta: new text, new token ids, new logprobs, a finish reason reported once."""
+    eng, created, counts, echoed = state.engine, int(time.time()), Usage(), set()
     async for i, out in merged(streams):
         for o in out.outputs:
-            d = tracker.delta(i * body.n + o.index, o)
-            if d is None:
-                continue
-            text, k0, k1, finish = d
+            counts.completion += len(o.token_ids)
+            text = o.text
             if body.echo and (i, o.index) not in echoed:  # the prompt goes first, once per choice
                 echoed.add((i, o.index))
                 text = (out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)) + text
             yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                   "choices": [{"index": i * body.n + o.index, "text": text, "finish_reason": finish,
-                                "stop_reason": o.stop_reason if finish else None,
-                                "logprobs": completion_logprobs(eng, o, k0, k1) if body.logprobs is not None else None}]}
+                   "choices": [{"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
+                                "stop_reason": o.stop_reason,
+                                "logprobs": completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None}]}
         if out.finished:
-            finals[i] = out
+            counts.add_request(out)
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name, "choices": [],
-               "usage": usage(list(finals.values()))}
+               "usage": usage(counts)}
 
 
 async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: RequestStream) -> AsyncIterator[dict]:
-    eng, created, tracker, final = state.engine, int(time.time()), DeltaTracker(), None
+    eng, created, counts = state.engine, int(time.time()), Usage()
 
     def chunk(choices):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
@@ -343,65 +374,38 @@ async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: Requ
                  for i in range(body.n)])
     async for out in stream:
         for o in out.outputs:
-            d = tracker.delta(o.index, o)
-            if d is None:
-                continue
-            text, k0, k1, finish = d
-            yield chunk([{"index": o.index, "delta": {"content": text} if text else {},
-                          "logprobs": chat_logprobs(eng, o, k0, k1, body.top_logprobs or 0) if body.logprobs else None,
-                          "finish_reason": finish, "stop_reason": o.stop_reason if finish else None}])
+            counts.completion += len(o.token_ids)
+            yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {},
+                          "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, body.top_logprobs or 0) if body.logprobs else None,
+                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
         if out.finished:
-            final = out
+            counts.add_request(out)
     if body.stream_options and body.stream_options.include_usage:
         c = chunk([])
-        c["usage"] = usage([final] if final else [])
+        c["usage"] = usage(counts)
         yield c
 
 
 # ---- response pieces ---------------------------------------------------------------------------------------------
-def usage(finals: list[RequestOutput]) -> dict:
-    prompt = sum(len(f.prompt_token_ids) for f in finals)
-    completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
-    cached = sum(f.num_cached_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 def _token_str(eng: AsyncEngine, tok: int) -> str:
     return eng.engine.tokenizer.decode([tok])
 
 
-def completion_logprobs(eng: AsyncEngine, o: CompletionOutput, k0: int, k1: int) -> dict:
+def completion_logprobs(eng: AsyncEngine, token_ids: list[int], logprobs: list[dict] | None) -> dict:
     tokens, lps, tops = [], [], []
-    for tok, lp in zip(o.token_ids[k0:k1], (o.logprobs or [])[k0:k1], strict=False):
+    for tok, lp in zip(token_ids, logprobs or [], strict=False):
         tokens.append(_token_str(eng, tok))
         lps.append(lp[tok])
         tops.append({_token_str(eng, t): v for t, v in lp.items()})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
 
 
-def chat_logprobs(eng: AsyncEngine, o: CompletionOutput, k0: int, k1: int, top_k: int) -> dict:
+def chat_logprobs(eng: AsyncEngine, token_ids: list[int], logprobs: list[dict] | None, top_k: int) -> dict:
     content = []
-    for tok, lp in zip(o.token_ids[k0:k1], (o.logprobs or [])[k0:k1], strict=False):
+    for tok, lp in zip(token_ids, logprobs or [], strict=False):
         s = _token_str(eng, tok)
         top = sorted(lp.items(), key=lambda x: -x[1])[:top_k]
         content.append({"token": s, "logprob": lp[tok], "bytes": list(s.encode()),
                         "top_logprobs": [{"token": (ts := _token_str(eng, t)), "logprob": v, "bytes": list(ts.encode())}
                                          for t, v in top]})
     return {"content": content}
-
-
-def log_request(state: ServerState, rid: str, finals: list[RequestOutput], request: Request) -> None:
-    if state.config.disable_log_requests:
-        return
-    now = time.monotonic()
-    m = finals[0].metrics
-    record = {"event": "request", "id": rid, "path": request.url.path, "model": state.model_name,
-              "prompt_tokens": sum(len(f.prompt_token_ids) for f in finals),
-              "completion_tokens": sum(len(o.token_ids) for f in finals for o in f.outputs),
-              "finish_reason": [o.finish_reason for f in finals for o in f.outputs],
-              "latency_s": round(now - m.arrival_time, 4) if m else None,
-              "ttft_s": round(m.first_token_time - m.arrival_time, 4) if m and m.first_token_time else None}
-    if state.config.log_prompts:
-        record["prompt"] = [f.prompt for f in finals]
-    request_log.info(record)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pagekube.engine.sampling_params import SamplingParams
+from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -57,8 +57,10 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
         return v
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
         return SamplingParams(
+            output_kind=output_kind,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

@@ -20,6 +20,7 @@ from pagekube.engine.async_engine import AsyncEngine
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.server.app import ServerState, create_app
 from pagekube.engine.server.metrics import EngineMetrics
+from pagekube.engine.server.request_log import RequestLogger
 
 log = logging.getLogger("pagekube.server")
 
@@ -67,7 +68,9 @@ async def _serve(config: EngineConfig) -> int:
         await serving
         return 1
     state.metrics = EngineMetrics(engine.served_model_name)
-    engine.stat_listener = state.metrics
+    engine.stat_listeners.append(state.metrics)
+    if not config.disable_log_requests:
+        engine.stat_listeners.append(RequestLogger(engine.served_model_name, config.enable_log_prompts))
     state.engine = AsyncEngine(engine)
     log.info("ready: serving %s on http://%s:%d", engine.served_model_name, config.host, config.port)
     await serving

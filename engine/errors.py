@@ -1,0 +1,15 @@
+"""Errors the engine raises to its callers (torch-free, so the server can import them before the model loads)."""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served as asked; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can make progress."""
