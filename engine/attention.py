@@ -14,6 +14,11 @@ DECODE_GROUP = 8  # decode tokens per batched SDPA call on the CPU (bench/offlin
 class TorchAttention:
     name = "torch"
 
+    @staticmethod
+    def unsupported(block_size: int, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run the setting, or None (the torch path runs every block size and dtype)."""
+        return None
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
 
@@ -67,6 +72,13 @@ class TorchAttention:
 
 class TritonAttention:
     name = "triton"
+    MIN_BLOCK_SIZE = 16  # the prefill kernel's P @ V is a tl.dot over the block: its K dimension must be >= 16
+
+    @classmethod
+    def unsupported(cls, block_size: int, dtype: torch.dtype) -> str | None:
+        if block_size < cls.MIN_BLOCK_SIZE or block_size & (block_size - 1):
+            return f"its kernels need a power-of-two block size of at least {cls.MIN_BLOCK_SIZE} (tl.dot's K dimension)"
+        return None
 
     def __init__(self):
         from pagekube.kernels import triton_attention  # imported lazily: triton is only needed here
@@ -83,7 +95,21 @@ class TritonAttention:
                                                 meta.context_lens, max(meta.query_lens), scale)
 
 
-def make_backend(name: str, device: torch.device):
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
+
+
+def backend_class(name: str, device: torch.device):
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    return TritonAttention() if name == "triton" else TorchAttention()
+    return BACKENDS[name]
+
+
+def make_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype):
+    """The attention backend, or a ValueError naming the flags it cannot run (raised before any weight loads)."""
+    cls = backend_class(name, device)
+    problem = cls.unsupported(block_size, dtype)
+    if problem:
+        raise ValueError(f"the {cls.name} attention backend cannot run --block-size {block_size} with --dtype "
+                         f"{str(dtype).removeprefix('torch.')}: {problem}. Choose another --block-size, or "
+                         "--attention-backend torch")
+    return cls()

@@ -11,13 +11,13 @@ from pagekube.engine.config import EngineConfig
 
 
 def _flag_type(annotation):
-    """(type, choices) for a field: `int | None` -> int; `Literal["a", "b"]` -> str with choices."""
-    if typing.get_origin(annotation) is typing.Literal:
-        return str, list(typing.get_args(annotation))
+    """(type, choices) for a field: `int | None` -> int; `Literal["a", "b"]` -> str with choices; `Literal[8, 16]`
+    -> int with choices."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    base = args[0]
+    base = annotation if typing.get_origin(annotation) is typing.Literal else args[0]
     if typing.get_origin(base) is typing.Literal:
-        return str, list(typing.get_args(base))
+        choices = list(typing.get_args(base))
+        return type(choices[0]), choices
     return base, None
 
 

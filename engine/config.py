@@ -25,7 +25,9 @@ class EngineConfig(BaseModel):
         "auto", description="Attention implementation; auto = triton on CUDA, torch otherwise"
     )
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output, in tokens (default: the model's limit)")
-    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block")
+    block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
+        16, description="Tokens per KV-cache block (a power of two; the Triton backend needs at least 16)"
+    )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step (prefill chunks + decodes)")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes")

@@ -36,8 +36,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        self.backend = make_backend(config.attention_backend, self.device, self.block_size, self.dtype)
         self.model = load_model(hf_config, model_dir, self.dtype, self.device)
-        self.backend = make_backend(config.attention_backend, self.device)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)

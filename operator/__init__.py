@@ -1,1 +1,1 @@
-"""pagekube operator (kopf): LLMDeployment -> Kubernetes objects. Not built yet (issue 5); imports no torch."""
+"""pagekube operator (kopf): reconciles LLMDeployment resources into Kubernetes objects. Imports no torch."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pagekube.operator import naming
+from pagekube.operator import engine_flags, naming
 from pagekube.operator.spec import LLMDeploymentSpec
 
 MODELS_DIR = "/models"
@@ -21,9 +21,15 @@ def grace_period_seconds(spec: LLMDeploymentSpec) -> int:
     return spec.drain.pre_stop_delay_seconds + spec.drain.timeout_seconds + GRACE_MARGIN_SECONDS
 
 
+def model_source(spec: LLMDeploymentSpec) -> tuple[str, str]:
+    """("hf" | "pvc" | "s3" | "file", the rest of the URL)."""
+    scheme, rest = spec.model.source.split("://", 1)
+    return scheme, rest
+
+
 def model_path(spec: LLMDeploymentSpec) -> str:
     """Where the engine finds the weights inside its container."""
-    scheme, rest = spec.model.source.split("://", 1)
+    scheme, rest = model_source(spec)
     if scheme == "file":
         return rest
     if scheme == "pvc":
@@ -33,21 +39,23 @@ def model_path(spec: LLMDeploymentSpec) -> str:
 
 
 def engine_args(spec: LLMDeploymentSpec) -> list[str]:
-    """`pagekube serve` arguments (vLLM-style flags) for this spec."""
-    e = spec.engine
-    args = [model_path(spec), "--served-model-name", spec.model.name, "--host", "0.0.0.0", "--port", str(naming.ENGINE_PORT)]
-    args += ["--dtype", spec.model.dtype]
-    if spec.model.max_model_len:
-        args += ["--max-model-len", str(spec.model.max_model_len)]
-    if spec.resources.gpu == 0:
-        args += ["--device", "cpu"]
-    else:
-        args += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
-    args += ["--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens", str(e.max_num_batched_tokens)]
-    args += ["--block-size", str(e.block_size)]
-    args += ["--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching"]
-    args += ["--drain-timeout", str(spec.drain.timeout_seconds)]
-    return args + list(e.extra_args)
+    """`pagekube serve` arguments for this spec, through the engine's own flag schema."""
+    e, cpu_only = spec.engine, spec.resources.gpu == 0
+    return engine_flags.to_args({
+        "model": model_path(spec),
+        "served_model_name": spec.model.name,
+        "host": "0.0.0.0",
+        "port": naming.ENGINE_PORT,
+        "dtype": spec.model.dtype,
+        "max_model_len": spec.model.max_model_len,
+        "device": "cpu" if cpu_only else None,
+        "gpu_memory_utilization": None if cpu_only else e.gpu_memory_utilization,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "block_size": e.block_size,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "drain_timeout": spec.drain.timeout_seconds,
+    }) + list(e.extra_args)
 
 
 def _resources(spec: LLMDeploymentSpec) -> dict:
@@ -77,7 +85,7 @@ def _env(spec: LLMDeploymentSpec) -> list[dict]:
 
 def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[dict]]:
     """(volumes, init containers) that put the weights at model_path()."""
-    scheme, rest = spec.model.source.split("://", 1)
+    scheme, rest = model_source(spec)
     if scheme == "file":
         return [], []
     if scheme == "pvc":

@@ -11,6 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from pagekube.operator import engine_flags as flags
+
 GROUP = "serving.pagekube.io"
 VERSION = "v1alpha1"
 KIND = "LLMDeployment"
@@ -59,18 +61,23 @@ class ModelSpec(_Spec):
         pattern=SOURCE, description="Where the weights are: hf://org/repo, pvc://claim/path, s3://bucket/prefix or file:///path"
     )
     revision: str | None = Field(None, description="Hugging Face revision (branch, tag or commit) for hf:// sources")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens (default: the model's)")
+    dtype: Literal[tuple(flags.choices("dtype"))] = flags.default("dtype")
+    max_model_len: int | None = Field(None, ge=flags.bound("max_model_len", "minimum"),
+                                      description="Longest prompt + output in tokens (default: the model's)")
 
 
 class EngineSpec(_Spec):
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: Literal[8, 16, 32] = 16
-    enable_prefix_caching: bool = True
+    # Defaults and ranges are the engine's own (engine_flags.json); block sizes are those every backend runs.
+    gpu_memory_utilization: float = Field(flags.default("gpu_memory_utilization"),
+                                          gt=flags.bound("gpu_memory_utilization", "exclusiveMinimum"),
+                                          le=flags.bound("gpu_memory_utilization", "maximum"))
+    max_num_seqs: int = Field(flags.default("max_num_seqs"), ge=flags.bound("max_num_seqs", "minimum"))
+    max_num_batched_tokens: int = Field(flags.default("max_num_batched_tokens"),
+                                        ge=flags.bound("max_num_batched_tokens", "minimum"))
+    block_size: Literal[tuple(flags.BLOCK_SIZES)] = flags.default("block_size")
+    enable_prefix_caching: bool = flags.default("enable_prefix_caching")
     extra_args: list[str] = Field(default_factory=list, description="Appended to the `pagekube serve` command line")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables (Kubernetes EnvVar)")
 
@@ -115,7 +122,8 @@ class AuthSpec(_Spec):
 
 
 class DrainSpec(_Spec):
-    timeout_seconds: int = Field(120, ge=0, le=3600, description="Time to finish accepted requests after SIGTERM")
+    timeout_seconds: int = Field(int(flags.default("drain_timeout")), ge=0, le=3600,
+                                 description="Time to finish accepted requests after SIGTERM")
     pre_stop_delay_seconds: int = Field(5, ge=0, le=300, description="Sleep before the drain so endpoint removal propagates")
 
 
@@ -159,7 +167,3 @@ class LLMDeploymentSpec(_Spec):
     drain: DrainSpec = Field(default_factory=DrainSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
 
-
-def parse_spec(spec: dict) -> LLMDeploymentSpec:
-    """The typed spec of a resource's `.spec` (raises pydantic.ValidationError on what the schema should refuse)."""
-    return LLMDeploymentSpec.model_validate(spec or {})
