@@ -21,12 +21,13 @@ from tests.server_process import free_port
 
 ADMIN_TOKEN = "pagekube-e2e-admin-token"
 # Every request that writes, with its verb and object: the idempotence tests count them.
+WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived]
 rules:
   - level: Metadata
-    verbs: [create, update, patch, delete, deletecollection]
+    verbs: [create, update, patch, delete, deletecollection, get, list]
   - level: None
 """
 
@@ -170,15 +171,19 @@ current-context: e2e
         for name in reversed(list(self.procs)):
             stop_process_group(self.procs[name])
 
-    def writes(self, namespace: str | None = None, exclude_users: tuple[str, ...] = ()) -> list[dict]:
-        """Write requests in the audit log so far (one entry per request, at ResponseComplete)."""
+    def requests(self, namespace: str | None = None, verbs: tuple[str, ...] = WRITE_VERBS,
+                 exclude_users: tuple[str, ...] = ()) -> list[dict]:
+        """Requests in the audit log so far (one entry per request, at ResponseComplete); watches are not logged."""
         events = []
         for line in self.audit_log.read_text().splitlines():
             e = json.loads(line)
             ref = e.get("objectRef") or {}
             if e.get("stage") != "ResponseComplete" or (namespace and ref.get("namespace") != namespace):
                 continue
-            if e.get("user", {}).get("username") in exclude_users:
+            if e.get("verb") not in verbs or e.get("user", {}).get("username") in exclude_users:
                 continue
             events.append(e)
         return events
+
+    def writes(self, namespace: str | None = None, exclude_users: tuple[str, ...] = ()) -> list[dict]:
+        return self.requests(namespace, WRITE_VERBS, exclude_users)

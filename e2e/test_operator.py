@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 import yaml
 
+from e2e.cluster import WRITE_VERBS
 from e2e.waiting import wait_for
 from pagekube.operator.cli import render
 from pagekube.operator.reconciler import contains
@@ -58,10 +59,14 @@ def manifest(name, ns, **spec) -> str:
     return yaml.safe_dump(doc)
 
 
-def operator_writes(cp, ns) -> list[str]:
-    """Write requests in `ns` made by the operator (kopf or its kubernetes client), not by kubectl or the KCM."""
+def operator_requests(cp, ns, verbs=WRITE_VERBS) -> list[str]:
+    """Requests in `ns` made by the operator (kopf or its kubernetes client), not by kubectl or the KCM."""
     return [f"{e['verb']} {e['objectRef'].get('resource')}/{e['objectRef'].get('name')}"
-            for e in cp.writes(ns) if not e.get("userAgent", "").startswith(("kubectl", "kube-controller-manager"))]
+            for e in cp.requests(ns, verbs) if not e.get("userAgent", "").startswith(("kubectl", "kube-controller-manager"))]
+
+
+def operator_writes(cp, ns) -> list[str]:
+    return operator_requests(cp, ns)
 
 
 def resyncs(op, ns, name) -> int:
@@ -125,9 +130,15 @@ def test_resync_of_an_unchanged_resource_writes_nothing_and_drift_is_restored(co
     wait_for(lambda: len(children(cp, ns, "idem")) == 6, what="children")
     time.sleep(8)  # let the first status writes settle
     before, resyncs_before = len(operator_writes(cp, ns)), resyncs(op, ns, "idem")
+    reads_before = len(operator_requests(cp, ns, ("get", "list")))
     time.sleep(10)
-    assert resyncs(op, ns, "idem") - resyncs_before >= 3  # --resync-seconds 3: full reconciles did run
+    passes = resyncs(op, ns, "idem") - resyncs_before
+    assert passes >= 3  # --resync-seconds 3: full reconciles did run
     assert operator_writes(cp, ns)[before:] == []
+    # Reads: one LIST per owned kind serves comparison and pruning (13-16 GETs + LISTs a pass before).
+    reads = operator_requests(cp, ns, ("get", "list"))[reads_before:]
+    print(f"operator reads per resync pass: {len(reads) / passes:.1f} ({sorted(set(reads))})")
+    assert len(reads) <= 7 * (passes + 1), reads
     # Drift: a deleted Service and an edited ConfigMap come back as the operator wants them.
     want_conf = get(cp, "configmap", "idem-lb", "-n", ns)["data"]["nginx.conf"]
     cp.kubectl("delete", "service", "idem-engine", "-n", ns)

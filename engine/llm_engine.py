@@ -17,7 +17,7 @@ from pagekube.engine.detokenizer import (
     streamable_len,
 )
 from pagekube.engine.errors import RequestRejected
-from pagekube.engine.model_files import resolve_model_dir
+from pagekube.engine.model_files import BUNDLED_NAME, resolve_model_dir
 from pagekube.engine.model_runner import ModelRunner
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampler import Sampler
@@ -52,7 +52,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stat_listeners = list(stat_listeners)
         self.served_model_name = config.served_model_name or (
-            self.model_dir.name if config.model else "SmolLM2-135M-Instruct")
+            self.model_dir.name if config.model else BUNDLED_NAME)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MB), device %s, dtype %s, attention %s",
                  self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
                  self.runner.num_blocks * self.runner.bytes_per_block / 1e6, self.runner.device,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import threading
 
 import kopf
 from kubernetes import client, config
@@ -16,6 +18,10 @@ from pagekube.operator.spec import GROUP, PLURAL, VERSION
 RESYNC_SECONDS = float(os.environ.get("PAGEKUBE_RESYNC_SECONDS", "60"))  # `run --resync-seconds` sets it
 log = logging.getLogger("pagekube.operator")
 _reconciler: Reconciler | None = None
+# kopf runs sync handlers on worker threads: a child's event and its parent's own handler may fire together.
+# One pass per LLMDeployment at a time, so two passes never apply or prune over each other.
+_passes: collections.defaultdict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
+_passes_guard = threading.Lock()
 
 
 def reconciler() -> Reconciler:
@@ -35,10 +41,16 @@ def configure(settings: kopf.OperatorSettings, **_):
     settings.watching.server_timeout = 300
 
 
+def _pass_lock(body: dict) -> threading.Lock:
+    with _passes_guard:
+        return _passes[(body["metadata"]["namespace"], body["metadata"]["name"])]
+
+
 def _reconcile(body: dict, logger) -> None:
     body = dict(body)
     try:
-        result = reconciler().reconcile(body)
+        with _pass_lock(body):
+            result = reconciler().reconcile(body)
     except ValidationError as e:  # the schema should have refused it; say so instead of retrying forever
         kopf.warn(body, reason="InvalidSpec", message=str(e).replace("\n", " "))
         raise kopf.PermanentError(f"invalid spec: {e}") from e

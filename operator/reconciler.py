@@ -3,6 +3,9 @@
 Writes are compare-then-apply: a child whose live state already contains every field we want gets no request at
 all; one that differs gets a server-side apply under one field manager. So an unchanged resource costs zero
 writes, and fields we leave out (the Deployment's replicas when KEDA owns them) are never touched.
+
+Reads: one LIST per owned kind (by the owner label) serves both the comparison and the pruning, so a pass costs
+one read per kind (six), plus the API-key Secret when one is referenced, instead of one GET per child on top.
 """
 
 from __future__ import annotations
@@ -91,35 +94,42 @@ class Reconciler:
     def _resource(self, api_version: str, kind: str):
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
 
-    def _apply(self, obj: dict, result: ReconcileResult) -> dict:
-        """Make the child match `obj`; returns it as it now is on the server."""
-        resource = self._resource(obj["apiVersion"], obj["kind"])
-        meta = obj["metadata"]
-        try:
-            live = resource.get(name=meta["name"], namespace=meta["namespace"]).to_dict()
-        except NotFoundError:
-            live = None
-        if live is not None and contains(live, obj):
-            return live
-        applied = resource.server_side_apply(body=obj, name=meta["name"], namespace=meta["namespace"],
-                                             field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
-        result.writes.append(f"{obj['kind']}/{meta['name']}")
-        log.info("applied %s %s/%s (%s)", obj["kind"], meta["namespace"], meta["name"], "created" if live is None else "updated")
-        return applied
-
-    def _prune(self, name: str, namespace: str, uid: str, keep: set[tuple[str, str]], result: ReconcileResult) -> None:
+    def _live_children(self, name: str, namespace: str) -> dict[tuple[str, str], dict | None]:
+        """{(apiVersion, kind): {child name: live object}} for every owned kind; None for a kind not served."""
+        live: dict = {}
         for api_version, kind in OWNED_KINDS:
             try:
                 resource = self._resource(api_version, kind)
             except ResourceNotFoundError:
-                continue  # that CRD is not installed, so nothing of that kind can exist
+                live[(api_version, kind)] = None  # that CRD is not installed, so nothing of that kind can exist
+                continue
             items = resource.get(namespace=namespace, label_selector=f"{naming.OWNER_LABEL}={name}").to_dict()["items"]
-            for item in items:
+            live[(api_version, kind)] = {item["metadata"]["name"]: item for item in items}
+        return live
+
+    def _apply(self, obj: dict, live: dict | None, result: ReconcileResult) -> dict:
+        """Make the child match `obj` (`live`: its current state, or None); returns it as it now is."""
+        if live is not None and contains(live, obj):
+            return live
+        meta = obj["metadata"]
+        applied = self._resource(obj["apiVersion"], obj["kind"]).server_side_apply(
+            body=obj, name=meta["name"], namespace=meta["namespace"], field_manager=FIELD_MANAGER,
+            force_conflicts=True).to_dict()
+        result.writes.append(f"{obj['kind']}/{meta['name']}")
+        log.info("applied %s %s/%s (%s)", obj["kind"], meta["namespace"], meta["name"], "created" if live is None else "updated")
+        return applied
+
+    def _prune(self, namespace: str, uid: str, live: dict, keep: set[tuple[str, str]], result: ReconcileResult) -> None:
+        for (api_version, kind), items in live.items():
+            for child_name, item in (items or {}).items():
                 owners = item["metadata"].get("ownerReferences") or []
-                if (kind, item["metadata"]["name"]) in keep or not any(o.get("uid") == uid for o in owners):
+                if (kind, child_name) in keep or not any(o.get("uid") == uid for o in owners):
                     continue
-                resource.delete(name=item["metadata"]["name"], namespace=namespace)
-                result.writes.append(f"delete {kind}/{item['metadata']['name']}")
+                try:
+                    self._resource(api_version, kind).delete(name=child_name, namespace=namespace)
+                except NotFoundError:
+                    pass  # already gone
+                result.writes.append(f"delete {kind}/{child_name}")
 
     def reconcile(self, body: dict) -> ReconcileResult:
         """Bring the children of one LLMDeployment (its full object as a dict) in line with its spec."""
@@ -131,17 +141,18 @@ class Reconciler:
         deployment = None
         if not blocked:
             wanted = desired_objects(name, namespace, uid, spec)
+            live = self._live_children(name, namespace)
             for obj in wanted:
-                try:
-                    current = self._apply(obj, result)
-                except ResourceNotFoundError:
+                of_kind = live.get((obj["apiVersion"], obj["kind"]))
+                if of_kind is None:
                     hint = CRD_HINT.get(obj["apiVersion"], obj["apiVersion"])
                     result.problems.append(("MissingCRD", f"{obj['kind']} ({obj['apiVersion']}) is not served: "
                                                           f"install {hint} or turn that feature off"))
                     continue
+                current = self._apply(obj, of_kind.get(obj["metadata"]["name"]), result)
                 if obj["kind"] == "Deployment" and obj["metadata"]["name"] == naming.engine_name(name):
                     deployment = current
-            self._prune(name, namespace, uid, {(o["kind"], o["metadata"]["name"]) for o in wanted}, result)
+            self._prune(namespace, uid, live, {(o["kind"], o["metadata"]["name"]) for o in wanted}, result)
         new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked)
         old = body.get("status") or {}
         if status_changed(merge_transition_times(new, old), old):

@@ -11,9 +11,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
   echo "[test-deps] apt-get install ${missing[*]}" >&2
   $SUDO apt-get update -qq >/dev/null
+  # The tests start their own nginx and Prometheus on free ports: keep the packages from starting services at
+  # install (policy-rc.d exit 101 = "not allowed", Debian's way), so nothing else on the machine is stopped.
+  had_policy=$([ -e /usr/sbin/policy-rc.d ] && echo 1 || echo 0)
+  [ "$had_policy" = 1 ] || printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+  $SUDO chmod +x /usr/sbin/policy-rc.d
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  # The Debian packages start system services; the tests start their own instances on free ports.
-  $SUDO systemctl disable --now nginx prometheus >/dev/null 2>&1 || true
-  $SUDO pkill -x prometheus 2>/dev/null || true
+  [ "$had_policy" = 1 ] || $SUDO rm -f /usr/sbin/policy-rc.d
 fi
 ./e2e/controlplane/build.sh >/dev/null
