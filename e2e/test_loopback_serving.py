@@ -7,6 +7,7 @@ a cluster gets; `render_nginx_conf` is called exactly as the ConfigMap builder c
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import signal
@@ -25,6 +26,7 @@ from e2e.waiting import wait_for
 from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.nginx import render_nginx_conf
 from pagekube.operator.spec import LLMDeploymentSpec
+from tests.k8s_tools import REPO
 from tests.server_process import ServerProcess, free_port, metric
 
 pytestmark = pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("prometheus")),
@@ -192,6 +194,25 @@ def test_scaled_object_query_through_prometheus_gives_the_replicas_keda_would_as
     assert done.wait(300)
     idle = wait_for_value(lambda v: v <= activation, 30)  # idle: below activation, KEDA scales to minReplicas 0
     assert idle == 0 and SPEC.autoscaling.min_replicas == 0
+
+
+def test_every_grafana_panel_query_returns_data_from_the_scraped_engines(engines, nginx, prometheus):
+    """The shipped dashboard's PromQL, with Grafana's variables filled in as Grafana would, against real series."""
+    dashboard = json.loads((REPO / "charts/pagekube/files/grafana-dashboard.json").read_text())
+    c = client(nginx)
+    with ThreadPoolExecutor(4) as pool:  # fresh observations for the rate() windows; a shared prefix for the cache
+        list(pool.map(lambda i: c.completions.create(model=SPEC.model.name, max_tokens=8,
+                                                     prompt="A shared system prompt that is long enough to fill one "
+                                                            f"whole block of the cache, and then: question {i}"), range(8)))
+    time.sleep(3)  # a few 1 s scrapes
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            promql = target["expr"].replace("$__rate_interval", "1m").replace("$model_name", ".+")
+            r = httpx.get(prometheus + "/api/v1/query", params={"query": promql}).json()
+            assert r["status"] == "success", (panel["title"], promql, r)
+            assert r["data"]["result"], f"{panel['title']}: no data for {promql}"
+    print(f"[e2e] {sum(len(p['targets']) for p in dashboard['panels'])} dashboard queries over "
+          f"{len(dashboard['panels'])} panels all returned data")
 
 
 def test_rolling_drain_loses_no_request(engines, nginx):

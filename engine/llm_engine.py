@@ -58,6 +58,14 @@ class LLMEngine:
                  self.runner.num_blocks * self.runner.bytes_per_block / 1e6, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), self.runner.backend.name)
 
+    def cache_config(self) -> dict:
+        """The KV-cache settings, as vLLM's `vllm:cache_config_info` labels them."""
+        c = self.config
+        return {"block_size": c.block_size, "num_gpu_blocks": self.runner.num_blocks,
+                "cache_dtype": str(self.runner.dtype).removeprefix("torch."),
+                "enable_prefix_caching": c.enable_prefix_caching,
+                "gpu_memory_utilization": c.gpu_memory_utilization}
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.config.block_size

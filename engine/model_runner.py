@@ -111,16 +111,23 @@ class ModelRunner:
         tables = torch.zeros((len(batch.seqs), max_blocks), dtype=torch.int32)
         for i, seq in enumerate(batch.seqs):
             tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-        dev = self.device
+        to_dev = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            slot_mapping=to_dev(torch.tensor(slots, dtype=torch.long)),
+            block_tables=to_dev(tables),
+            query_start_loc=to_dev(torch.tensor(starts, dtype=torch.int32)),
+            context_lens=to_dev(torch.tensor(ctx_lens, dtype=torch.int32)),
             query_lens=list(batch.num_new_tokens),
             context_lens_list=ctx_lens,
         )
-        hidden = self.model(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+        hidden = self.model(to_dev(torch.tensor(tokens)), to_dev(torch.tensor(positions)),
                             self.kv_caches, meta, self.backend)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, dtype=torch.long, device=dev)])
+        logits = self.model.compute_logits(hidden[to_dev(torch.tensor(last_rows, dtype=torch.long))])
         return logits, sample_idx
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor to the model's device: from pinned memory without blocking on a GPU (the copy overlaps the
+        host work that follows; stream order keeps it before the kernels that read it); as is on the CPU."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)

@@ -3,6 +3,7 @@ Kubernetes 1.35, and the chart's CRD and alert rules the generated ones."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import kubernetes_validate
@@ -50,3 +51,18 @@ def test_helm_template_renders_valid_least_privilege_objects(values):
 def test_chart_ships_the_generated_crd_and_rules():
     assert (CHART / "crds/llmdeployment.yaml").read_text() == (REPO / "crds/llmdeployment.yaml").read_text() == crd_yaml()
     assert (CHART / "files/alerts.yaml").read_text() == generic_rules_file()
+
+
+def test_grafana_dashboard_configmap_is_off_by_default_and_carries_the_sidecar_label():
+    def render(*values):
+        out = subprocess.run([helm(), "template", "pk", str(CHART), "--namespace", "obs", *values],
+                             check=True, capture_output=True, text=True).stdout
+        return [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ConfigMap"]
+
+    assert render() == []
+    (cm,) = render("--set", "grafanaDashboard.enabled=true")
+    kubernetes_validate.validate(cm, "1.35.0", strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "obs"
+    dashboard = json.loads(cm["data"]["pagekube-engines.json"])
+    assert dashboard == json.loads((CHART / "files/grafana-dashboard.json").read_text())
+    assert all(t["expr"] for p in dashboard["panels"] for t in p["targets"])

@@ -1,10 +1,15 @@
-"""Prometheus metrics with vLLM v1's names, types and `model_name` label (dashboards and alerts depend on them)."""
+"""Prometheus metrics with vLLM v1's names, types, buckets and labels (`model_name`, `engine`): dashboards and
+alerts written for vLLM read them unchanged. Like vLLM, no `_created` series."""
 
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagekube.engine.sequence import Request
+
+prometheus_client.disable_created_metrics()
+ENGINE_INDEX = "0"  # vLLM v1's `engine` label: one engine core per server here
 
 # Buckets as vLLM uses them, so existing dashboards' quantiles read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -14,43 +19,72 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets for token counts bounded by max_model_len)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineMetrics:
     """Implements the engine's StatListener; gauges are refreshed from engine state on every iteration."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 100_000,
+                 cache_config: dict | None = None):
         self.registry = registry or CollectorRegistry()
-        r, label = self.registry, ["model_name"]
+        r, label, values = self.registry, ["model_name", "engine"], (model_name, ENGINE_INDEX)
         self.model_name = model_name
 
-        def counter(name, doc, labels=label):
-            return Counter(name, doc, labels, registry=r)
+        def gauge(name, doc):
+            return Gauge(name, doc, label, registry=r).labels(*values)
+
+        def counter(name, doc):
+            return Counter(name, doc, label, registry=r).labels(*values)
 
         def hist(name, doc, buckets):
-            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(*values)
 
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", label, registry=r).labels(model_name)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", label, registry=r).labels(model_name)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1", label, registry=r).labels(model_name)
-        self.draining = Gauge("pagekube:draining", "1 while the server drains after SIGTERM", label, registry=r).labels(model_name)
-        self.fragmentation = Gauge("pagekube:kv_cache_fragmentation_ratio",
-                                   "Allocated KV token slots / tokens held", label, registry=r).labels(model_name)
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed").labels(model_name)
-        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced").labels(model_name)
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute)").labels(model_name)
-        self.success = counter("vllm:request_success", "Finished requests", ["model_name", "finished_reason"])
-        self.cache_queries = counter("vllm:prefix_cache_queries", "Prefix-cache lookups, in tokens").labels(model_name)
-        self.cache_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens").labels(model_name)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1")
+        self.draining = gauge("pagekube:draining", "1 while the server drains after SIGTERM")
+        self.fragmentation = gauge("pagekube:kv_cache_fragmentation_ratio", "Allocated KV token slots / tokens held")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute)")
+        self.success = Counter("vllm:request_success", "Finished requests", [*label, "finished_reason"], registry=r)
+        self.cache_queries = counter("vllm:prefix_cache_queries", "Prefix-cache lookups, in tokens")
+        self.cache_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens")
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds", "Decode time / (output tokens - 1), per request",
+                         ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
-        self.queue_time = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS)
-        self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
-        self.req_gen = hist("vllm:request_generation_tokens", "Generation tokens per request", TOKEN_BUCKETS)
+        self.queue_time = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled (WAITING)", LATENCY_BUCKETS)
+        self.inference_time = hist("vllm:request_inference_time_seconds", "First scheduled to finish (RUNNING)",
+                                   LATENCY_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds", "First scheduled to first token (PREFILL)",
+                                 LATENCY_BUCKETS)
+        self.decode_time = hist("vllm:request_decode_time_seconds", "First token to finish (DECODE)", LATENCY_BUCKETS)
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per request", token_buckets)
+        self.req_gen = hist("vllm:request_generation_tokens", "Generation tokens per request", token_buckets)
+        self.req_max_tokens = hist("vllm:request_params_max_tokens", "The max_tokens request parameter", token_buckets)
+        self.req_n = hist("vllm:request_params_n", "The n request parameter", N_BUCKETS)
         self.iter_tokens = hist("vllm:iteration_tokens_total", "Tokens per engine step", TOKEN_BUCKETS)
+        if cache_config is not None:  # vLLM's info gauge: the cache settings as labels, value 1
+            info = {k: str(v) for k, v in cache_config.items()}
+            Gauge("vllm:cache_config_info", "KV-cache configuration", [*label, *info], registry=r).labels(
+                *values, *info.values()).set(1)
         for reason in ("stop", "length", "abort"):
-            self.success.labels(model_name, reason)
+            self.success.labels(*values, reason)
         self._cache_seen = (0, 0)
 
     # ---- StatListener ---------------------------------------------------------------------------------------
@@ -83,6 +117,15 @@ class EngineMetrics:
         for gap in m.token_gaps:
             self.itl.observe(gap)
         self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.inference_time.observe(m.finished_time - m.first_scheduled_time)
+        if m.first_token_time is not None:  # never set for a request aborted before its first token
+            self.prefill_time.observe(m.first_token_time - (m.first_scheduled_time or m.arrival_time))
+            self.decode_time.observe(m.finished_time - m.first_token_time)
+            if len(m.token_gaps) > 0:
+                self.tpot.observe((m.last_token_time - m.first_token_time) / len(m.token_gaps))
         self.req_prompt.observe(len(req.prompt_token_ids))
         self.req_gen.observe(sum(s.num_output_tokens for s in req.seqs))
-        self.success.labels(self.model_name, req.finish_reason or "abort").inc()
+        self.req_max_tokens.observe(req.max_tokens)
+        self.req_n.observe(req.params.n)
+        self.success.labels(self.model_name, ENGINE_INDEX, req.finish_reason or "abort").inc()
