@@ -78,3 +78,19 @@ def test_stream_usage_counts_every_choice_of_every_prompt(tiny_server):
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 2 * 2 * 7
     assert sorted(c["choices"][0]["index"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]) == [0, 1, 2, 3]
+
+
+def test_metrics_have_vllms_request_phase_series_labels_and_no_created_series(tiny_server):
+    from tests.server_process import metric
+
+    httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 5, "n": 2, "ignore_eos": True},
+               timeout=60)
+    text = httpx.get(tiny_server.url + "/metrics").text
+    assert "_created" not in text
+    labels = {"model_name": "tiny", "engine": "0"}
+    for name in ("vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_inference_time_seconds", "vllm:request_time_per_output_token_seconds",
+                 "vllm:request_params_max_tokens", "vllm:request_params_n", "vllm:e2e_request_latency_seconds"):
+        assert metric(text, name + "_count", **labels) >= 1, name
+    assert metric(text, "vllm:request_params_n_sum", **labels) >= 2
+    assert metric(text, "vllm:cache_config_info", block_size="16", enable_prefix_caching="True", **labels) == 1
