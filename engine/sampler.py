@@ -5,8 +5,8 @@ temperature -> top-k -> top-p -> min-p -> a random draw. Only the sampled ids an
 go to the host.
 
 Truncated rows (top-k or top-p) sample among their top candidates: `torch.topk` of a few hundred entries instead
-of a full-vocabulary sort. A top-p row whose candidates do not reach top_p falls back to a full sort, so the
-nucleus is always exact. The draw is the exponential race (argmax of p / Exp(1) noise); a row with a seed draws its
+of a full-vocabulary sort. A top-p row whose candidates do not reach top_p tries more of them, then a full sort,
+so the nucleus is always exact. The draw is the exponential race (argmax of p / Exp(1) noise); a row with a seed draws its
 noise from its own generator, sized by the row alone, so a seeded request gives the same tokens whatever else
 shares its batch.
 """
@@ -20,7 +20,15 @@ import torch
 from pagekube.engine.penalties import PenaltyState
 from pagekube.engine.sequence import Sequence
 
-TOP_P_CANDIDATES = 256  # a top-p row samples among this many tokens when they hold top_p of the mass
+# A top-p row samples among its top 256 tokens when they hold top_p of the mass, else among its top 4096, else it
+# sorts the whole vocabulary: each tier is exact, and most rows of a language model stop at the first.
+TOP_P_TIERS = (256, 4096)
+TOP_P_CANDIDATES = TOP_P_TIERS[0]
+
+
+def rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """t[idx], without the copy when idx is every row in order."""
+    return t if len(idx) == t.shape[0] and idx == list(range(len(idx))) else t[idx]
 
 
 @dataclass
@@ -46,18 +54,22 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample one token per row of `logits` (consumed: processors and temperature work on it in place)."""
         logits = logits.float()
         params = [s.request.params for s in seqs]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = logits[want_lp] if want_lp else None  # logprobs are of the model's own distribution
+        raw = logits[want_lp] if want_lp else None  # a copy: logprobs are of the model's own distribution
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         self._apply_bias_and_bans(logits, seqs)
         self.penalties.apply(logits, penalized, [seqs[i] for i in penalized])
 
-        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            tokens[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
+        if len(random_rows) < len(seqs):
+            tokens = logits.argmax(dim=-1)
+            if random_rows:
+                tokens[random_rows] = self._sample(logits[random_rows], [seqs[i] for i in random_rows])
+        else:
+            tokens = self._sample(logits, seqs)
         self.penalties.update(tokens, penalized, [seqs[i] for i in penalized])
 
         host_lp: list[float | None] = [None] * len(seqs)
@@ -101,34 +113,34 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[1]
         params = [s.request.params for s in seqs]
         temps = torch.tensor([p.temperature for p in params], device=dev)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        probs = torch.softmax(logits.div_(temps[:, None]), dim=-1)  # logits are this call's own rows
         tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
 
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         truncated = [i for i, p in enumerate(params) if top_k[i] or p.top_p < 1.0]
         full = [i for i in range(len(seqs)) if i not in set(truncated)]
-        fallback: list[int] = []
-        if truncated:
-            sizes = [top_k[i] or min(TOP_P_CANDIDATES, vocab) for i in truncated]
-            cand_p, cand_ids = probs[truncated].topk(max(sizes), dim=-1)  # sorted, largest first
+        for width in (*TOP_P_TIERS, vocab):  # candidates, then more of them, then the whole (sorted) vocabulary
+            if not truncated:
+                break
+            sizes = [top_k[i] or min(width, vocab) for i in truncated]
+            if max(sizes) < vocab:
+                cand_p, cand_ids = rows(probs, truncated).topk(max(sizes), dim=-1)  # sorted, largest first
+            else:
+                cand_p, cand_ids = rows(probs, truncated).sort(dim=-1, descending=True)
             cand_p, exact = self._truncate(cand_p, [params[i] for i in truncated], sizes, vocab)
             exact = exact.tolist()
             keep = [j for j, ok in enumerate(exact) if ok]
-            fallback = [truncated[j] for j, ok in enumerate(exact) if not ok]
             if keep:
-                picked = self._race(cand_p[keep], [seqs[truncated[j]] for j in keep], [sizes[j] for j in keep])
-                tokens[[truncated[j] for j in keep]] = cand_ids[keep].gather(1, picked[:, None]).squeeze(1)
-        if fallback:  # candidates held less than top_p: sort the whole vocabulary for these rows
-            sorted_p, order = probs[fallback].sort(dim=-1, descending=True)
-            sorted_p, _ = self._truncate(sorted_p, [params[i] for i in fallback], [vocab] * len(fallback), vocab)
-            picked = self._race(sorted_p, [seqs[i] for i in fallback], [vocab] * len(fallback))
-            tokens[fallback] = order.gather(1, picked[:, None]).squeeze(1)
+                picked = self._race(rows(cand_p, keep), [seqs[truncated[j]] for j in keep], [sizes[j] for j in keep])
+                tokens[[truncated[j] for j in keep]] = rows(cand_ids, keep).gather(1, picked[:, None]).squeeze(1)
+            truncated = [truncated[j] for j, ok in enumerate(exact) if not ok]
         if full:
-            rows = probs[full]
+            probs_full = rows(probs, full)
             if any(params[i].min_p > 0 for i in full):
                 min_p = torch.tensor([params[i].min_p for i in full], device=dev)
-                rows = rows.masked_fill(rows < min_p[:, None] * rows.amax(dim=-1, keepdim=True), 0.0)
-            tokens[full] = self._race(rows, [seqs[i] for i in full], [vocab] * len(full))
+                probs_full = probs_full.masked_fill(probs_full < min_p[:, None] * probs_full.amax(dim=-1, keepdim=True),
+                                                    0.0)
+            tokens[full] = self._race(probs_full, [seqs[i] for i in full], [vocab] * len(full))
         return tokens
 
     @staticmethod
