@@ -112,7 +112,37 @@ def main() -> int:
                       f"{row['speedup']}x |", flush=True)
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        plot(results, args.out.with_suffix(".png"))
     return 0
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """ms per sampler call against batch size: old and new, per vocabulary and workload (needs pagekube[bench])."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no plot")
+        return
+    vocabs = sorted({r["vocab"] for r in results})
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(5.5 * len(vocabs), 4), squeeze=False)
+    for ax, vocab in zip(axes[0], vocabs, strict=True):
+        for kind, style in (("top_p", "-"), ("mix", "--")):
+            rs = [r for r in results if r["vocab"] == vocab and r["kind"] == kind]
+            if not rs:
+                continue
+            batch = [r["batch"] for r in rs]
+            ax.plot(batch, [r["old_ms"] for r in rs], style, marker="o", color="tab:red", label=f"old, {kind}")
+            ax.plot(batch, [r["new_ms"] for r in rs], style, marker="o", color="tab:blue", label=f"new, {kind}")
+        ax.set(xscale="log", yscale="log", xlabel="batch (rows sampled per step)", ylabel="ms per step",
+               title=f"sampler, vocabulary {vocab:,}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
