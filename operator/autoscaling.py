@@ -15,9 +15,14 @@ def pod_selector(name: str, namespace: str) -> str:
     return f'namespace="{namespace}",pod=~"{naming.engine_name(name)}-[a-z0-9]+-[a-z0-9]+"'
 
 
-def queue_depth_query(name: str, namespace: str) -> str:
+def queue_depth_query(name: str, namespace: str, spec: LLMDeploymentSpec | None = None) -> str:
     # `or vector(0)`: with no pods (scaled to zero) the sum is empty; KEDA must read 0, not an error.
-    return f"sum(vllm:num_requests_waiting{{{pod_selector(name, namespace)}}}) or vector(0)"
+    waiting = f"(sum(vllm:num_requests_waiting{{{pod_selector(name, namespace)}}}) or vector(0))"
+    if spec is None or not spec.autoscaling.scales_to_zero:
+        return waiting
+    # At zero the engines' metric does not exist: requests the activator holds are the queue that wakes KEDA.
+    held = f'(sum(pagekube:activator_requests_pending{{namespace="{namespace}",llmdeployment="{name}"}}) or vector(0))'
+    return f"{waiting} + {held}"
 
 
 def kv_cache_query(name: str, namespace: str) -> str:
@@ -34,7 +39,7 @@ def build_scaled_object(name: str, namespace: str, spec: LLMDeploymentSpec) -> d
             "metricType": "AverageValue",
             "metadata": {
                 "serverAddress": a.prometheus_address,
-                "query": queue_depth_query(name, namespace),
+                "query": queue_depth_query(name, namespace, spec),
                 "threshold": str(a.queue_depth_target),
                 "activationThreshold": str(a.activation_queue_depth),
             },

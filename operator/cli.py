@@ -9,6 +9,7 @@ import sys
 import yaml
 from pydantic import ValidationError
 
+from pagekube.operator import naming
 from pagekube.operator.crd import crd_yaml
 from pagekube.operator.desired import desired_objects
 from pagekube.operator.spec import GROUP, KIND, LLMDeploymentSpec
@@ -67,6 +68,12 @@ def _run(args) -> int:
     return 0
 
 
+def _activator(args) -> int:
+    from pagekube.operator.activator import run_activator
+
+    return run_activator(args.llmdeployment, args.upstream, args.host, args.port, args.max_pending, args.hold_timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagekube-operator", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     ren.set_defaults(fn=_render)
     crd = sub.add_parser("crd", help="print the LLMDeployment CustomResourceDefinition")
     crd.set_defaults(fn=_crd)
+    act = sub.add_parser("activator", help="hold requests while no engine is up (NGINX's backup upstream at zero)")
+    act.add_argument("--llmdeployment", required=True, help="the LLMDeployment it serves (the metric's label)")
+    act.add_argument("--upstream", action="append", required=True,
+                     help="engine host:port to resolve and probe (the headless Service; repeatable)")
+    act.add_argument("--host", default="0.0.0.0")
+    act.add_argument("--port", type=int, default=naming.ACTIVATOR_PORT)
+    act.add_argument("--max-pending", type=int, default=256, help="requests held at once; past it 429")
+    act.add_argument("--hold-timeout", type=float, default=300.0, help="seconds a request waits; then 503")
+    act.set_defaults(fn=_activator)
     args = parser.parse_args(argv)
     return args.fn(args)
 

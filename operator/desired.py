@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagekube.operator.activator_deployment import build_activator_deployment, build_activator_service
 from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.engine_deployment import build_engine_deployment
 from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
@@ -36,6 +37,8 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
         ]
     if spec.autoscaling.enabled:
         objects.append(build_scaled_object(name, namespace, spec))
+    if spec.autoscaling.scales_to_zero:
+        objects += [build_activator_service(name, namespace), build_activator_deployment(name, namespace, spec)]
     if spec.monitoring.service_monitor:
         objects.append(build_service_monitor(name, namespace))
     if spec.monitoring.prometheus_rule:

@@ -7,6 +7,7 @@ from pagekube.operator.spec import GROUP
 MANAGED_BY = "pagekube-operator"
 OWNER_LABEL = f"{GROUP}/llmdeployment"
 ENGINE_PORT = 8000
+ACTIVATOR_PORT = 8081
 LB_PORT = 8080  # nginx listens unprivileged (non-root container); the LB Service maps 80 -> 8080
 
 
@@ -16,6 +17,15 @@ def engine_name(name: str) -> str:
 
 def headless_name(name: str) -> str:
     return f"{name}-engine-pods"
+
+
+def activator_name(name: str) -> str:
+    return f"{name}-activator"
+
+
+def activator_upstream(name: str, namespace: str) -> str:
+    """How NGINX reaches the activator: its Service, as host:port."""
+    return f"{activator_name(name)}.{namespace}.svc.cluster.local:{ACTIVATOR_PORT}"
 
 
 def lb_name(name: str) -> str:

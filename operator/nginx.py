@@ -35,19 +35,28 @@ def cluster_upstreams(name: str, namespace: str) -> list[str]:
 
 
 def cluster_nginx_conf(name: str, namespace: str, spec: LLMDeploymentSpec) -> str:
-    """The config as a cluster gets it: upstream = the headless Service, re-resolved."""
-    return render_nginx_conf(spec, cluster_upstreams(name, namespace))
+    """The config as a cluster gets it: upstream = the headless Service, re-resolved; the activator as backup
+    when the deployment scales to zero."""
+    backups = [naming.activator_upstream(name, namespace)] if spec.autoscaling.scales_to_zero else []
+    return render_nginx_conf(spec, cluster_upstreams(name, namespace), backups=backups)
 
 
 def render_nginx_conf(spec: LLMDeploymentSpec, upstreams: list[str], resolver: str = CLUSTER_RESOLVER,
-                      listen: str = str(naming.LB_PORT)) -> str:
+                      listen: str = str(naming.LB_PORT), backups: list[str] = ()) -> str:
     """nginx.conf for these upstream addresses (host:port). Host names are re-resolved (`resolve`, nginx >= 1.27.3).
+    `backups` (the activator) get requests only while no engine can take them: none resolved, or all refusing
+    connections (scaled to zero, all restarting).
 
     Paths are relative to nginx's prefix (`-p`, a writable folder), so the file runs as is under a non-root user.
     """
     lb = spec.load_balancer
-    needs_dns = any(not _is_ip(u) for u in upstreams)
-    servers = "\n".join(f"        server {u}{' resolve' if not _is_ip(u) else ''} max_fails=1 fail_timeout=5s;" for u in upstreams)
+    needs_dns = any(not _is_ip(u) for u in [*upstreams, *backups])
+
+    def server(address: str, extra: str) -> str:
+        return f"        server {address}{'' if _is_ip(address) else ' resolve'}{extra};"
+
+    servers = "\n".join([*(server(u, " max_fails=1 fail_timeout=5s") for u in upstreams),
+                         *(server(b, " backup") for b in backups)])
     resolver_line = f"    resolver {resolver};\n" if needs_dns else ""
     return f"""# Rendered by pagekube-operator. Do not edit: the operator restores it.
 worker_processes auto;

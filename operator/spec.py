@@ -20,6 +20,7 @@ PLURAL = "llmdeployments"
 SHORT_NAME = "llmd"
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/pagekube/engine:0.1.0"
+DEFAULT_OPERATOR_IMAGE = "ghcr.io/pagekube/operator:0.1.0"  # also runs the activator
 # `server ... resolve` (re-resolving the headless Service as pods come and go) needs open-source nginx >= 1.27.3.
 DEFAULT_NGINX_IMAGE = "nginx:1.29-alpine"
 
@@ -89,6 +90,14 @@ class ResourcesSpec(_Spec):
     memory: str | None = Field(None, pattern=QUANTITY, description="Memory request and limit, e.g. '64Gi'")
 
 
+class ActivatorSpec(_Spec):
+    """The request holder NGINX falls back to while no engine is up (created when minReplicas is 0)."""
+
+    max_pending: int = Field(256, ge=1, le=100_000, description="Requests held at once while scaled to zero; then 429")
+    hold_timeout_seconds: int = Field(300, ge=1, le=3600, description="Longest hold for an engine to start; then 503")
+    image: str = Field(DEFAULT_OPERATOR_IMAGE, min_length=1, description="Image with `pagekube-operator activator`")
+
+
 class AutoscalingSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
@@ -107,6 +116,11 @@ class AutoscalingSpec(_Spec):
     polling_interval: int = Field(15, ge=1, description="Seconds between KEDA's queries")
     cooldown_period: int = Field(300, ge=0, description="Seconds of no load before scaling to zero")
     scale_down_stabilization_seconds: int = Field(300, ge=0, description="HPA scale-down stabilization window")
+    activator: ActivatorSpec = Field(default_factory=ActivatorSpec)
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.enabled and self.min_replicas == 0
 
 
 class LoadBalancerSpec(_Spec):

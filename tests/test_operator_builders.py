@@ -183,8 +183,30 @@ def test_autoscaling_decides_who_owns_replicas():
     so = next(o for o in on if o["kind"] == "ScaledObject")
     assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["scaleTargetRef"]["name"] == "m-engine"
     trigger = so["spec"]["triggers"][0]["metadata"]
-    assert trigger["query"] == queue_depth_query("m", "ns") and trigger["threshold"] == "4"
+    assert trigger["query"] == queue_depth_query("m", "ns", spec_of(autoscaling={"enabled": True, "minReplicas": 0}))
+    assert trigger["threshold"] == "4"
     assert 'vllm:num_requests_waiting{namespace="ns",pod=~"m-engine-[a-z0-9]+-[a-z0-9]+"}' in trigger["query"]
+
+
+def test_scale_to_zero_adds_the_activator_as_nginx_backup_and_its_queue_to_the_query():
+    zero = spec_of(autoscaling={"enabled": True, "minReplicas": 0, "activator": {"maxPending": 9, "holdTimeoutSeconds": 30}})
+    one = spec_of(autoscaling={"enabled": True, "minReplicas": 1})
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in desired_objects("m", "ns", "uid", zero)}
+    dep = objs[("Deployment", "m-activator")]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["activator", "--llmdeployment"] and "--max-pending" in args and args[args.index("--max-pending") + 1] == "9"
+    assert args[args.index("--upstream") + 1] == "m-engine-pods.ns.svc.cluster.local:8000"
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 40
+    assert objs[("Service", "m-activator")]["spec"]["ports"][0]["port"] == naming.ACTIVATOR_PORT
+    conf = objs[("ConfigMap", "m-lb")]["data"]["nginx.conf"]
+    assert "server m-activator.ns.svc.cluster.local:8081 resolve backup;" in conf
+    query = objs[("ScaledObject", "m-engine")]["spec"]["triggers"][0]["metadata"]["query"]
+    assert query.endswith(' + (sum(pagekube:activator_requests_pending{namespace="ns",llmdeployment="m"}) or vector(0))')
+    # minReplicas >= 1: an engine is always up, so no activator, no backup, the plain query.
+    plain = desired_objects("m", "ns", "uid", one)
+    assert not any(o["metadata"]["name"] == "m-activator" for o in plain)
+    assert "backup" not in next(o for o in plain if o["kind"] == "ConfigMap")["data"]["nginx.conf"]
+    assert "activator" not in queue_depth_query("m", "ns", one)
 
 
 def test_every_child_is_owned_and_labelled():
