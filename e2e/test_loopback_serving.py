@@ -11,23 +11,20 @@ import json
 import math
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
 
+from e2e.loopback import Nginx, Prometheus
 from e2e.waiting import wait_for
 from pagekube.operator.autoscaling import build_scaled_object
-from pagekube.operator.nginx import render_nginx_conf
 from pagekube.operator.spec import LLMDeploymentSpec
 from tests.k8s_tools import REPO
-from tests.server_process import ServerProcess, free_port, metric
+from tests.server_process import ServerProcess, metric
 
 pytestmark = pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("prometheus")),
                                 reason="nginx and prometheus (Debian packages) are installed by scripts/test-deps.sh")
@@ -40,42 +37,6 @@ SPEC = LLMDeploymentSpec.model_validate({
 # Pod names as the engine Deployment's ReplicaSet would make them: the ScaledObject's query matches on them.
 POD_NAMES = ["demo-engine-7f9c6d5b8-a1b2c", "demo-engine-7f9c6d5b8-x9y8z"]
 ENGINE_ARGS = ["--max-num-seqs", "4", "--kv-cache-memory", str(64 * 1024**2), "--dtype", "float32", "--drain-timeout", "120"]
-
-
-class Nginx:
-    def __init__(self, workdir: Path, upstreams: list[str]):
-        self.dir, self.port = workdir, free_port()
-        self.write(upstreams)
-        self.proc = subprocess.Popen(self.command("-g", "daemon off;"), stdout=open(workdir / "nginx.out", "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        wait_http(f"http://127.0.0.1:{self.port}/nginx-health")
-
-    def write(self, upstreams):
-        (self.dir / "nginx.conf").write_text(render_nginx_conf(SPEC, upstreams, listen=f"127.0.0.1:{self.port}"))
-
-    def command(self, *extra):
-        return ["nginx", "-p", str(self.dir), "-e", "stderr", "-c", str(self.dir / "nginx.conf"), *extra]
-
-    def reload(self, upstreams):
-        """What endpoint removal does to the cluster config (the headless Service stops resolving to the pod)."""
-        self.write(upstreams)
-        subprocess.run(self.command("-t"), check=True, capture_output=True)
-        subprocess.run(self.command("-s", "reload"), check=True, capture_output=True)
-        time.sleep(1.0)  # new workers up; old ones keep serving their in-flight streams until done
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(20)
-
-
-def wait_http(url, timeout=30.0):
-    def ok():
-        try:
-            return httpx.get(url, timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(ok, timeout=timeout, what=url, interval=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -93,35 +54,19 @@ def engines(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def nginx(engines, tmp_path_factory):
-    lb = Nginx(tmp_path_factory.mktemp("nginx"), [f"127.0.0.1:{e.port}" for e in engines])
+    lb = Nginx(tmp_path_factory.mktemp("nginx"), SPEC, [f"127.0.0.1:{e.port}" for e in engines])
     yield lb
     lb.stop()
 
 
 @pytest.fixture(scope="module")
 def prometheus(engines, tmp_path_factory):
-    d = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{
-            "job_name": "pagekube-engine",
-            # The labels a ServiceMonitor or the scrape annotations give the operator's engine pods.
-            "static_configs": [{"targets": [f"127.0.0.1:{e.port}"], "labels": {"namespace": NAMESPACE, "pod": pod}}
-                               for e, pod in zip(engines, POD_NAMES)],
-        }],
-    }
-    (d / "prometheus.yml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=open(d / "prometheus.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/-/ready", timeout=60)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
+    # The labels a ServiceMonitor or the scrape annotations give the operator's engine pods.
+    prom = Prometheus(tmp_path_factory.mktemp("prometheus"),
+                      [(f"127.0.0.1:{e.port}", {"namespace": NAMESPACE, "pod": pod}, "/metrics")
+                       for e, pod in zip(engines, POD_NAMES)])
+    yield prom.url
+    prom.stop()
 
 
 def client(nginx) -> openai.OpenAI:

@@ -20,8 +20,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None):
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path or Path(f"/tmp/pagekube-server-{self.port}.log")
         self._log = open(self.log_path, "wb")
