@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from pagekube.operator.activator_deployment import build_activator_deployment, build_activator_service
+from pagekube.operator.activator_deployment import (
+    METRICS_PATH,
+    build_activator_deployment,
+    build_activator_service,
+)
 from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.engine_deployment import build_engine_deployment
 from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
@@ -41,6 +45,8 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
         objects += [build_activator_service(name, namespace), build_activator_deployment(name, namespace, spec)]
     if spec.monitoring.service_monitor:
         objects.append(build_service_monitor(name, namespace))
+        if spec.autoscaling.scales_to_zero:
+            objects.append(build_service_monitor(name, namespace, "activator", METRICS_PATH))
     if spec.monitoring.prometheus_rule:
         objects.append(build_prometheus_rule(name, namespace, spec.monitoring.thresholds))
     for obj in objects:

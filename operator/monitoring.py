@@ -64,15 +64,17 @@ def build_prometheus_rule(name: str, namespace: str, thresholds: AlertThresholds
     }
 
 
-def build_service_monitor(name: str, namespace: str) -> dict:
+def build_service_monitor(name: str, namespace: str, component: str = "engine", path: str = "/metrics") -> dict:
+    """Scrape the engines (or, with component="activator", the activator, whose pending count wakes KEDA)."""
+    object_name = naming.engine_name(name) if component == "engine" else naming.activator_name(name)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
+        "metadata": naming.metadata(object_name, namespace, name, component),
         "spec": {
-            "selector": {"matchLabels": {**naming.selector(name, "engine")}},
+            "selector": {"matchLabels": {**naming.selector(name, component)}},
             "namespaceSelector": {"matchNames": [namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            "endpoints": [{"port": "http", "path": path, "interval": "15s"}],
         },
     }
 

@@ -202,6 +202,11 @@ def test_scale_to_zero_adds_the_activator_as_nginx_backup_and_its_queue_to_the_q
     assert "server m-activator.ns.svc.cluster.local:8081 resolve backup;" in conf
     query = objs[("ScaledObject", "m-engine")]["spec"]["triggers"][0]["metadata"]["query"]
     assert query.endswith(' + (sum(pagekube:activator_requests_pending{namespace="ns",llmdeployment="m"}) or vector(0))')
+    monitored = desired_objects("m", "ns", "uid", zero.model_copy(update={"monitoring": spec_of(
+        monitoring={"serviceMonitor": True}).monitoring}))
+    sm = next(o for o in monitored if o["kind"] == "ServiceMonitor" and o["metadata"]["name"] == "m-activator")
+    assert sm["spec"]["endpoints"][0]["path"] == "/activator/metrics"
+    assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "activator"
     # minReplicas >= 1: an engine is always up, so no activator, no backup, the plain query.
     plain = desired_objects("m", "ns", "uid", one)
     assert not any(o["metadata"]["name"] == "m-activator" for o in plain)
