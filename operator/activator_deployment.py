@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagekube.operator import naming
 from pagekube.operator.nginx import cluster_upstreams
+from pagekube.operator.services import cluster_ip_service
 from pagekube.operator.spec import LLMDeploymentSpec
 
 METRICS_PATH = "/activator/metrics"
@@ -52,13 +53,4 @@ def build_activator_deployment(name: str, namespace: str, spec: LLMDeploymentSpe
 
 
 def build_activator_service(name: str, namespace: str) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": naming.metadata(naming.activator_name(name), namespace, name, "activator"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": naming.selector(name, "activator"),
-            "ports": [{"name": "http", "port": naming.ACTIVATOR_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return cluster_ip_service(name, namespace, naming.activator_name(name), "activator", naming.ACTIVATOR_PORT)

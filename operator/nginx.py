@@ -11,6 +11,7 @@ import hashlib
 import ipaddress
 
 from pagekube.operator import naming
+from pagekube.operator.services import cluster_ip_service
 from pagekube.operator.spec import LLMDeploymentSpec
 
 CONFIG_KEY = "nginx.conf"
@@ -176,13 +177,4 @@ def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -
 
 
 def build_nginx_service(name: str, namespace: str) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": naming.metadata(naming.lb_name(name), namespace, name, "load-balancer"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": naming.selector(name, "load-balancer"),
-            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return cluster_ip_service(name, namespace, naming.lb_name(name), "load-balancer", 80)

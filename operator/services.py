@@ -30,3 +30,17 @@ def build_engine_service(name: str, namespace: str) -> dict:
 
 def build_headless_service(name: str, namespace: str) -> dict:
     return _service(name, namespace, naming.headless_name(name), headless=True)
+
+
+def cluster_ip_service(name: str, namespace: str, object_name: str, component: str, port: int) -> dict:
+    """A ClusterIP Service over one component's pods, `port` -> their port named http (LB, activator)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": naming.metadata(object_name, namespace, name, component),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector(name, component),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
