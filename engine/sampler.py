@@ -23,7 +23,6 @@ from pagekube.engine.sequence import Sequence
 # A top-p row samples among its top 256 tokens when they hold top_p of the mass, else among its top 4096, else it
 # sorts the whole vocabulary: each tier is exact, and most rows of a language model stop at the first.
 TOP_P_TIERS = (256, 4096)
-TOP_P_CANDIDATES = TOP_P_TIERS[0]
 
 
 def rows(t: torch.Tensor, idx: list[int]) -> torch.Tensor:
@@ -41,7 +40,6 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, eos_token_ids: set[int], vocab_size: int, device: torch.device, seed: int = 0):
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
         self.penalties = PenaltyState(vocab_size, device)
@@ -118,7 +116,7 @@ class Sampler:
 
         top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
         truncated = [i for i, p in enumerate(params) if top_k[i] or p.top_p < 1.0]
-        full = [i for i in range(len(seqs)) if i not in set(truncated)]
+        full = sorted(set(range(len(seqs))) - set(truncated))
         for width in (*TOP_P_TIERS, vocab):  # candidates, then more of them, then the whole (sorted) vocabulary
             if not truncated:
                 break

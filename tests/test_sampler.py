@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.legacy_sampler import LegacySampler
-from pagekube.engine.sampler import TOP_P_CANDIDATES, Sampler
+from pagekube.engine.sampler import TOP_P_TIERS, Sampler
 from pagekube.engine.sampling_params import SamplingParams
 from pagekube.engine.sequence import Request
 
@@ -38,7 +38,7 @@ def test_top_p_draws_only_from_the_exact_nucleus_with_its_probabilities(logits):
     probs = torch.softmax(logits[0], -1)
     kept = nucleus(probs, 0.8)
     if logits.std() < 2:
-        assert len(kept) > TOP_P_CANDIDATES  # this case must exercise the fallback
+        assert len(kept) > TOP_P_TIERS[0]  # this case must exercise the fallback
     sampler = Sampler(set(), VOCAB, torch.device("cpu"), seed=1)
     draws = 4000
     out = sampler(logits.repeat(draws, 1), [seq_with(params) for _ in range(draws)]).token_ids

@@ -153,13 +153,13 @@ def create_app(state: ServerState) -> FastAPI:
         finals = await collect(streams, request)
         choices = []
         for i, out in enumerate(finals):
-            prompt = (out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)) if body.echo else ""
+            prompt = prompt_text(eng, out) if body.echo else ""
             for o in out.outputs:
                 choices.append({"index": i * body.n + o.index, "text": prompt + o.text, "finish_reason": o.finish_reason,
                                 "stop_reason": o.stop_reason,
                                 "logprobs": completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None})
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-                "choices": choices, "usage": usage(Usage.of(finals))}
+                "choices": choices, "usage": Usage.of(finals).as_dict()}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -181,7 +181,7 @@ def create_app(state: ServerState) -> FastAPI:
                     "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None}
                    for o in finals[0].outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-                "choices": choices, "usage": usage(Usage.of(finals))}
+                "choices": choices, "usage": Usage.of(finals).as_dict()}
 
     return app
 
@@ -336,10 +336,10 @@ class Usage:
         self.prompt += len(out.prompt_token_ids)
         self.cached += out.num_cached_tokens
 
-
-def usage(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt, "completion_tokens": u.completion, "total_tokens": u.prompt + u.completion,
-            "prompt_tokens_details": {"cached_tokens": u.cached}}
+    def as_dict(self) -> dict:
+        """The OpenAI `usage` object."""
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion, "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
 async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -> AsyncIterator[dict]:
@@ -351,7 +351,7 @@ async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -
             text = o.text
             if body.echo and (i, o.index) not in echoed:  # the prompt goes first, once per choice
                 echoed.add((i, o.index))
-                text = (out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)) + text
+                text = prompt_text(eng, out) + text
             yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                    "choices": [{"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
                                 "stop_reason": o.stop_reason,
@@ -360,7 +360,7 @@ async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -
             counts.add_request(out)
     if body.stream_options and body.stream_options.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name, "choices": [],
-               "usage": usage(counts)}
+               "usage": counts.as_dict()}
 
 
 async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: RequestStream) -> AsyncIterator[dict]:
@@ -382,11 +382,16 @@ async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: Requ
             counts.add_request(out)
     if body.stream_options and body.stream_options.include_usage:
         c = chunk([])
-        c["usage"] = usage(counts)
+        c["usage"] = counts.as_dict()
         yield c
 
 
 # ---- response pieces ---------------------------------------------------------------------------------------------
+def prompt_text(eng: AsyncEngine, out: RequestOutput) -> str:
+    """The prompt as text, for `echo` (a token-id prompt is decoded)."""
+    return out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)
+
+
 def _token_str(eng: AsyncEngine, tok: int) -> str:
     return eng.engine.tokenizer.decode([tok])
 
