@@ -16,6 +16,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from tests.k8s_tools import REPO, kubectl, third_party_crd_files, tool_paths
 from tests.server_process import free_port
 
@@ -158,6 +160,15 @@ current-context: e2e
         crds = [REPO / "crds/llmdeployment.yaml", *third_party_crd_files()]
         self.kubectl("apply", "--server-side", *[a for c in crds for a in ("-f", str(c))])
         self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        # Established comes before the storage behind it answers (a LIST can still get 429 "storage is
+        # (re)initializing"): wait until every served kind lists, so the first operator pass sees no retry.
+        served = ",".join(f"{c['spec']['names']['plural']}.{c['spec']['group']}"
+                          for p in crds for c in yaml.safe_load_all(p.read_text()) if c)
+        deadline = time.monotonic() + 60
+        while self.kubectl("get", served, "-A", check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"custom resources never listed: {served}")
+            time.sleep(0.3)
         # Namespace "default" gets its ServiceAccount from the controller; Pods need it before they can be created.
         deadline = time.monotonic() + 60
         while self.kubectl("get", "serviceaccount", "default", check=False).returncode != 0:

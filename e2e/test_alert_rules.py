@@ -103,3 +103,23 @@ def test_the_rule_tests_can_fail(rule_file, tmp_path):
               "alert_rule_test": [{"eval_time": "20m", "alertname": "PagekubeEngineDown", "exp_alerts": expected("PagekubeEngineDown", per_deployment)}]}]
     (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": [rule_file.name], "tests": tests}))
     assert promtool("test", "rules", "test.yaml", cwd=tmp_path).returncode != 0
+
+
+def test_at_zero_replicas_a_missing_activator_series_pages(tmp_path):
+    """Only a scale-to-zero deployment's rule has it: there the activator's count is what wakes KEDA."""
+    rule = build_prometheus_rule("demo", "default", AlertThresholds(), scales_to_zero=True)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
+    pending = 'pagekube:activator_requests_pending{namespace="default",llmdeployment="demo"}'
+    fired = [{"exp_labels": {"severity": "critical", "namespace": "default", "llmdeployment": "demo"},
+              "exp_annotations": {"summary": "no activator pending-count series: requests at zero replicas cannot wake demo",
+                                  "runbook_url": "https://pagekube.io/docs/alerts#pagekubeactivatormetricabsent"}}]
+    tests = [
+        {"interval": "1m", "input_series": [{"series": 'up{job="other"}', "values": "1x20"}],
+         "alert_rule_test": [{"eval_time": "20m", "alertname": "PagekubeActivatorMetricAbsent", "exp_alerts": fired}]},
+        {"interval": "1m", "input_series": [{"series": pending, "values": "0x20"}],
+         "alert_rule_test": [{"eval_time": "20m", "alertname": "PagekubeActivatorMetricAbsent", "exp_alerts": []}]},
+    ]
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": tests}, sort_keys=False))
+    r = promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PagekubeActivatorMetricAbsent" not in str(build_prometheus_rule("demo", "default", AlertThresholds()))

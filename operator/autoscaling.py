@@ -15,14 +15,21 @@ def pod_selector(name: str, namespace: str) -> str:
     return f'namespace="{namespace}",pod=~"{naming.engine_name(name)}-[a-z0-9]+-[a-z0-9]+"'
 
 
+def waiting_series(name: str, namespace: str) -> str:
+    return f"vllm:num_requests_waiting{{{pod_selector(name, namespace)}}}"
+
+
+def activator_pending_series(name: str, namespace: str) -> str:
+    return f'pagekube:activator_requests_pending{{namespace="{namespace}",llmdeployment="{name}"}}'
+
+
 def queue_depth_query(name: str, namespace: str, spec: LLMDeploymentSpec | None = None) -> str:
     # `or vector(0)`: with no pods (scaled to zero) the sum is empty; KEDA must read 0, not an error.
-    waiting = f"(sum(vllm:num_requests_waiting{{{pod_selector(name, namespace)}}}) or vector(0))"
+    waiting = f"(sum({waiting_series(name, namespace)}) or vector(0))"
     if spec is None or not spec.autoscaling.scales_to_zero:
         return waiting
     # At zero the engines' metric does not exist: requests the activator holds are the queue that wakes KEDA.
-    held = f'(sum(pagekube:activator_requests_pending{{namespace="{namespace}",llmdeployment="{name}"}}) or vector(0))'
-    return f"{waiting} + {held}"
+    return f"{waiting} + (sum({activator_pending_series(name, namespace)}) or vector(0))"
 
 
 def kv_cache_query(name: str, namespace: str) -> str:

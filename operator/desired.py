@@ -26,12 +26,14 @@ def owner_reference(name: str, uid: str) -> dict:
     }
 
 
-def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec) -> list[dict]:
-    """The children in apply order (config before the pods that read it)."""
+def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec, replicas: int | None = None,
+                    gpu_starved: bool = False) -> list[dict]:
+    """The children in apply order (config before the pods that read it). `replicas` and `gpu_starved`: what runs
+    now, for the engine's rollout strategy (offline rendering leaves them unknown)."""
     objects = [
         build_engine_service(name, namespace),
         build_headless_service(name, namespace),
-        build_engine_deployment(name, namespace, spec),
+        build_engine_deployment(name, namespace, spec, replicas, gpu_starved),
     ]
     if spec.load_balancer.enabled:
         objects += [
@@ -48,7 +50,8 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
         if spec.autoscaling.scales_to_zero:
             objects.append(build_service_monitor(name, namespace, "activator", METRICS_PATH))
     if spec.monitoring.prometheus_rule:
-        objects.append(build_prometheus_rule(name, namespace, spec.monitoring.thresholds))
+        objects.append(build_prometheus_rule(name, namespace, spec.monitoring.thresholds,
+                                             spec.autoscaling.scales_to_zero))
     for obj in objects:
         obj["metadata"]["ownerReferences"] = [owner_reference(name, uid)]
     return objects

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from pagekube.operator import engine_flags, naming
+from pagekube.operator.rollout import deployment_strategy
 from pagekube.operator.spec import LLMDeploymentSpec
 
 MODELS_DIR = "/models"
@@ -116,7 +117,9 @@ def _probe(path: str, period: int, failures: int) -> dict:
     }
 
 
-def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
+def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, replicas: int | None = None,
+                            gpu_starved: bool = False) -> dict:
+    """`replicas` and `gpu_starved` are what the operator sees live (rollout.deployment_strategy's inputs)."""
     grace = grace_period_seconds(spec)
     volumes, init_containers = _model_volume_and_init(spec)
     mounts = [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}] if volumes else []
@@ -163,8 +166,7 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) 
 
     deployment_spec: dict = {
         "selector": {"matchLabels": naming.selector(name, "engine")},
-        # Never below serving capacity during a rollout: a new pod must be ready before an old one drains.
-        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "strategy": deployment_strategy(spec, replicas, gpu_starved),
         "template": {
             "metadata": {
                 "labels": naming.labels(name, "engine"),

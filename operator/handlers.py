@@ -56,6 +56,9 @@ def _reconcile(body: dict, logger) -> None:
         raise kopf.PermanentError(f"invalid spec: {e}") from e
     if result.problems and result.status is not None:  # only when the condition changes: no event storm
         kopf.warn(body, reason=result.problems[0][0], message="; ".join(m for _, m in result.problems))
+    for cond in (result.status or {}).get("conditions", []):  # likewise once per change: KEDA would scale blind
+        if cond["type"] == "MetricsAvailable" and cond["status"] == "False":
+            kopf.warn(body, reason=cond["reason"], message=cond["message"])
     if result.writes:
         logger.info("reconciled: %s", ", ".join(result.writes))
 

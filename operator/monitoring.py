@@ -11,7 +11,7 @@ import sys
 import yaml
 
 from pagekube.operator import naming
-from pagekube.operator.autoscaling import pod_selector
+from pagekube.operator.autoscaling import activator_pending_series, pod_selector
 from pagekube.operator.spec import AlertThresholds
 
 ANY_ENGINE_POD = 'pod=~".+-engine-[a-z0-9]+-[a-z0-9]+"'  # the generic rules file: every LLMDeployment's engines
@@ -52,8 +52,24 @@ def alert_rules(selector: str, t: AlertThresholds, by: str = "namespace") -> lis
     ]
 
 
-def build_prometheus_rule(name: str, namespace: str, thresholds: AlertThresholds) -> dict:
+def activator_absent_rule(name: str, namespace: str) -> dict:
+    """At zero replicas the activator's pending count is the only signal that wakes KEDA: its absence is an outage
+    waiting for the first request (the activator always exports it, 0 when idle)."""
+    return {
+        "alert": "PagekubeActivatorMetricAbsent",
+        "expr": f"absent({activator_pending_series(name, namespace)})",
+        "for": "10m",
+        "labels": {"severity": "critical"},
+        "annotations": {"summary": "no activator pending-count series: requests at zero replicas cannot wake "
+                                   "{{ $labels.llmdeployment }}",
+                        "runbook_url": "https://pagekube.io/docs/alerts#pagekubeactivatormetricabsent"},
+    }
+
+
+def build_prometheus_rule(name: str, namespace: str, thresholds: AlertThresholds, scales_to_zero: bool = False) -> dict:
     rules = alert_rules(pod_selector(name, namespace), thresholds)
+    if scales_to_zero:
+        rules.append(activator_absent_rule(name, namespace))
     for r in rules:
         r["labels"]["llmdeployment"] = name
     return {

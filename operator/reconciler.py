@@ -5,7 +5,8 @@ all; one that differs gets a server-side apply under one field manager. So an un
 writes, and fields we leave out (the Deployment's replicas when KEDA owns them) are never touched.
 
 Reads: one LIST per owned kind (by the owner label) serves both the comparison and the pruning, so a pass costs
-one read per kind (six), plus the API-key Secret when one is referenced, instead of one GET per child on top.
+one read per kind (six), plus the API-key Secret when one is referenced, instead of one GET per child on top; and
+one LIST of the engine pods while a rollout is under way (to see pods waiting for a GPU).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from kubernetes.utils import parse_quantity
 
 from pagekube.operator import naming
 from pagekube.operator.desired import desired_objects
+from pagekube.operator.metrics_check import check_metrics
+from pagekube.operator.rollout import insufficient_gpu, rolling_out
 from pagekube.operator.spec import GROUP, PLURAL, VERSION, LLMDeploymentSpec
 from pagekube.operator.status import compute_status, merge_transition_times, status_changed
 
@@ -131,6 +134,13 @@ class Reconciler:
                     pass  # already gone
                 result.writes.append(f"delete {kind}/{child_name}")
 
+    def _pods_waiting_for_gpu(self, name: str, namespace: str, spec: LLMDeploymentSpec, live_engine: dict | None) -> str | None:
+        """The scheduler's message for an engine pod it cannot place for want of GPUs (None: no such pod)."""
+        if spec.resources.gpu == 0 or not rolling_out(live_engine):
+            return None
+        pods = self.core.list_namespaced_pod(namespace, label_selector=naming.selector_string(name, "engine"))
+        return insufficient_gpu(self.api.sanitize_for_serialization(pods)["items"], spec.resources.gpu_resource_name)
+
     def reconcile(self, body: dict) -> ReconcileResult:
         """Bring the children of one LLMDeployment (its full object as a dict) in line with its spec."""
         meta = body["metadata"]
@@ -138,10 +148,13 @@ class Reconciler:
         spec = LLMDeploymentSpec.model_validate(body.get("spec") or {})
         result = ReconcileResult(problems=check_servable(self.core, namespace, spec))
         blocked = bool(result.problems)
-        deployment = None
+        deployment = gpu_wait = metrics = None
         if not blocked:
-            wanted = desired_objects(name, namespace, uid, spec)
             live = self._live_children(name, namespace)
+            live_engine = (live[("apps/v1", "Deployment")] or {}).get(naming.engine_name(name))
+            gpu_wait = self._pods_waiting_for_gpu(name, namespace, spec, live_engine)
+            replicas = (live_engine or {}).get("spec", {}).get("replicas") if spec.autoscaling.enabled else None
+            wanted = desired_objects(name, namespace, uid, spec, replicas, gpu_starved=gpu_wait is not None)
             for obj in wanted:
                 of_kind = live.get((obj["apiVersion"], obj["kind"]))
                 if of_kind is None:
@@ -153,7 +166,11 @@ class Reconciler:
                 if obj["kind"] == "Deployment" and obj["metadata"]["name"] == naming.engine_name(name):
                     deployment = current
             self._prune(namespace, uid, live, {(o["kind"], o["metadata"]["name"]) for o in wanted}, result)
-        new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked)
+            if spec.autoscaling.enabled:
+                ready = ((deployment or {}).get("status") or {}).get("readyReplicas") or 0
+                metrics = check_metrics(name, namespace, spec, ready)
+        new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked,
+                             gpu_wait, metrics)
         old = body.get("status") or {}
         if status_changed(merge_transition_times(new, old), old):
             client.CustomObjectsApi(self.api).patch_namespaced_custom_object_status(

@@ -131,6 +131,15 @@ class LoadBalancerSpec(_Spec):
     max_body_size: str = Field("10m", pattern=SIZE, description="Largest request body (nginx size: 10m, 512k)")
 
 
+class RolloutSpec(_Spec):
+    """How the engine Deployment replaces pods when the spec changes (see rollout.py)."""
+
+    strategy: Literal["Auto", "Surge", "Replace", "Recreate"] = Field(
+        "Auto", description="Surge: a new pod before an old one goes (needs a spare GPU); Replace: one old pod goes, "
+                            "then its successor starts (no spare GPU needed); Recreate: all go, then all start; "
+                            "Auto: Replace at one replica or when new pods lack GPUs, else Surge")
+
+
 class AuthSpec(_Spec):
     api_key_secret_ref: SecretKeyRef | None = None
 
@@ -176,6 +185,7 @@ class LLMDeploymentSpec(_Spec):
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
     replicas: int = Field(1, ge=0, le=1000, description="Engine replicas when autoscaling is off")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     load_balancer: LoadBalancerSpec = Field(default_factory=LoadBalancerSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     drain: DrainSpec = Field(default_factory=DrainSpec)

@@ -1,10 +1,12 @@
-"""LLMDeployment status from what exists: Kubernetes-convention conditions Ready / Progressing / Degraded."""
+"""LLMDeployment status from what exists: Kubernetes-convention conditions Ready / Progressing / Degraded, and
+MetricsAvailable when autoscaling is on."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
 from pagekube.operator import naming
+from pagekube.operator.metrics_check import MetricsCheck
 from pagekube.operator.spec import LLMDeploymentSpec
 
 
@@ -38,9 +40,11 @@ def _rollout(deployment: dict | None, autoscaling: bool) -> tuple[bool, bool, st
 
 
 def compute_status(name: str, namespace: str, generation: int, spec: LLMDeploymentSpec,
-                   deployment: dict | None, problems: list[tuple[str, str]], blocked: bool = False) -> dict:
+                   deployment: dict | None, problems: list[tuple[str, str]], blocked: bool = False,
+                   gpu_wait: str | None = None, metrics: MetricsCheck | None = None) -> dict:
     """The status to write. `problems` are (reason, message) pairs of what is wrong; `blocked`: they keep the
-    engines from being created at all (else, e.g. KEDA missing, the engines may still serve)."""
+    engines from being created at all (else, e.g. KEDA missing, the engines may still serve). `gpu_wait`: the
+    scheduler's message for an engine pod waiting for a GPU; `metrics`: the autoscaling metric check, if run."""
     progressing, ready, reason, message = _rollout(deployment, spec.autoscaling.enabled)
     if problems:
         degraded = _condition("Degraded", True, problems[0][0], "; ".join(m for _, m in problems), generation)
@@ -52,6 +56,12 @@ def compute_status(name: str, namespace: str, generation: int, spec: LLMDeployme
     else:
         ready_cond = _condition("Ready", ready, reason, message, generation)
         progressing_cond = _condition("Progressing", progressing, reason if progressing else "Complete", message, generation)
+    if gpu_wait and not blocked:  # the rollout cannot finish until a GPU frees up: stalled, not progressing
+        progressing_cond = _condition("Progressing", False, "InsufficientGPU", gpu_wait, generation)
+    conditions = [ready_cond, progressing_cond, degraded]
+    if metrics is not None:
+        conditions.append({"type": "MetricsAvailable", "status": metrics.status, "reason": metrics.reason,
+                           "message": metrics.message, "observedGeneration": generation})
     dstatus = (deployment or {}).get("status") or {}
     return {
         "observedGeneration": generation,
@@ -59,7 +69,7 @@ def compute_status(name: str, namespace: str, generation: int, spec: LLMDeployme
         "readyReplicas": dstatus.get("readyReplicas", 0),
         "selector": naming.selector_string(name, "engine"),
         "endpoint": endpoint(name, namespace, spec),
-        "conditions": [ready_cond, progressing_cond, degraded],
+        "conditions": conditions,
     }
 
 

@@ -44,6 +44,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+- apiGroups: [""]
+  resources: [pods]  # read-only: is a new engine pod waiting for a GPU? (rollout.strategy Auto)
+  verbs: [list]
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
   verbs: [get, list, create, patch, delete]
