@@ -7,7 +7,14 @@ import pytest
 
 from pagekube.operator.desired import desired_objects
 from pagekube.operator.metrics_check import MetricsCheck
-from pagekube.operator.rollout import RECREATE, REPLACE, SURGE, deployment_strategy, insufficient_gpu, rolling_out
+from pagekube.operator.rollout import (
+    RECREATE,
+    REPLACE,
+    SURGE,
+    deployment_strategy,
+    insufficient_gpu,
+    rolling_out,
+)
 from pagekube.operator.status import compute_status
 from tests.test_operator_builders import spec_of
 
