@@ -2,7 +2,7 @@
 
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
-from pagekube.engine.sampling_params import SamplingParams
+from pagekube.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):  # LLM and LLMEngine pull in torch: import them only when asked
@@ -17,4 +17,4 @@ def __getattr__(name):  # LLM and LLMEngine pull in torch: import them only when
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

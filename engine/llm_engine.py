@@ -24,6 +24,12 @@ from pagekube.engine.sampler import Sampler
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagekube.engine.scheduler import Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
+from pagekube.engine.structured import (
+    DEFAULT_GRAMMAR_BACKEND,
+    GrammarBackend,
+    GrammarError,
+    make_grammar_backend,
+)
 
 log = logging.getLogger("pagekube.engine")
 
@@ -50,6 +56,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
+        self.grammar_backend: GrammarBackend | None = None  # made with the first structured-outputs request
         self.stat_listeners = list(stat_listeners)
         self.served_model_name = config.served_model_name or (
             self.model_dir.name if config.model else BUNDLED_NAME)
@@ -116,9 +123,23 @@ class LLMEngine:
             raise RequestRejected(f"prompt + max_tokens needs {need} KV-cache blocks but the cache has only "
                                   f"{self.block_manager.num_blocks} (kv_cache_memory)", "max_tokens")
         req = Request(request_id, text, token_ids, params, max_tokens)
+        grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
         for seq in req.seqs:
             start_detokenizer(seq)
+            seq.grammar = self.grammar_backend.matcher(grammar) if grammar is not None else None
         return req
+
+    def _compile_grammar(self, params: SamplingParams):
+        if self.grammar_backend is None:
+            self.grammar_backend = make_grammar_backend(DEFAULT_GRAMMAR_BACKEND, self.tokenizer,
+                                                        self.hf_config.vocab_size, self.eos_token_ids)
+            self.sampler.grammar_backend = self.grammar_backend
+        so = params.structured_outputs
+        try:
+            return self.grammar_backend.compile(so)
+        except GrammarError as e:
+            raise RequestRejected(f"the {so.kind} for structured outputs does not compile: {e}",
+                                  f"structured_outputs.{so.kind}") from e
 
     def enqueue(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -211,7 +232,14 @@ class LLMEngine:
             seq.cumulative_logprob += logprob
             seq.logprobs.append(top)
         delta = detokenize_incrementally(self.tokenizer, seq, p.skip_special_tokens)
-        if tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
+        if seq.grammar is not None and (not seq.grammar.accept_token(tok) or seq.grammar.is_terminated()):
+            # Terminated: the grammar's stop token came (ignore_eos cannot go on past a finished document).
+            # Not accepted: only when other constraints left no token the grammar allows (e.g. min_tokens).
+            accepted = seq.grammar.is_terminated()
+            if not accepted:
+                log.warning("request %s: token %d is outside its grammar; finishing it", req.request_id, tok)
+            self._finish_seq(seq, "stop" if accepted else "abort", None)
+        elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
             self._finish_seq(seq, "stop", tok)
         elif tok in self.eos_token_ids and not p.ignore_eos and seq.num_output_tokens >= p.min_tokens:
             self._finish_seq(seq, "stop", None)

@@ -44,6 +44,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for requests without a seed
         self.penalties = PenaltyState(vocab_size, device)
         self._seeded: dict[int, torch.Generator] = {}
+        self.grammar_backend = None  # set by the engine with the first structured-outputs request
 
     def release(self, seq: Sequence) -> None:
         """The sequence is done: drop its penalty row and generator."""
@@ -60,6 +61,9 @@ class Sampler:
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         self._apply_bias_and_bans(logits, seqs)
         self.penalties.apply(logits, penalized, [seqs[i] for i in penalized])
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:  # last, so nothing after it can lift a token the grammar forbids
+            self.grammar_backend.mask_logits(logits, constrained, [seqs[i].grammar for i in constrained])
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) < len(seqs):

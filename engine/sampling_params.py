@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 
 class RequestOutputKind(enum.Enum):
@@ -13,6 +14,33 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far, every step
     DELTA = 1  # only what is new since the last output: streaming
     FINAL_ONLY = 2  # one output, when the request finishes: non-streaming and LLM.generate
+
+
+@pydantic_dataclass(config=ConfigDict(extra="forbid"))
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's names): exactly one of a JSON schema, any JSON object, a regex,
+    one of a list of strings, or an EBNF grammar (GBNF, as llama.cpp and xgrammar write it). A dataclass, as in
+    vLLM: a pydantic model could not have a field named `json`."""
+
+    json: dict | str | None = None  # a JSON schema (object or its text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
 
 class SamplingParams(BaseModel):
@@ -37,6 +65,7 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -41,6 +41,7 @@ class Sequence:
         # DELTA outputs: how much of the output the caller has been given
         self.sent_tokens = self.sent_text_len = 0
         self.sent_finish = False
+        self.grammar = None  # a structured-outputs matcher (engine/structured/) when the request is constrained
 
     @property
     def num_tokens(self) -> int:

@@ -147,7 +147,7 @@ def create_app(state: ServerState) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = build_params(body, max_tokens, body.logprobs)
-        streams = await start_streams(eng, body.prompts(), params, rid)
+        streams = await start_streams(eng, body.prompts(), params, rid, body)
         if body.stream:
             return sse(completion_chunks(state, body, rid, streams), streams)
         finals = await collect(streams, request)
@@ -172,7 +172,7 @@ def create_app(state: ServerState) -> FastAPI:
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = build_params(body, body.max_completion_tokens or body.max_tokens, top)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await start_streams(eng, [ids], params, rid)
+        streams = await start_streams(eng, [ids], params, rid, body)
         if body.stream:
             return sse(chat_chunks(state, body, rid, streams[0]), streams)
         finals = await collect(streams, request)
@@ -224,7 +224,7 @@ def build_params(body: SamplingFields, max_tokens: int | None, logprobs: int | N
         raise APIError(400, f"{param + ': ' if param else ''}{err['msg']}", param=param, code="invalid_request") from e
 
 
-async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str) -> list[RequestStream]:
+async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str, body: SamplingFields) -> list[RequestStream]:
     """One engine request per prompt, with ids derived from the API request's (`rid`, or `rid-i` for several),
     so the engine's per-request log lines name what the client saw."""
     streams: list[RequestStream] = []
@@ -234,7 +234,10 @@ async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str) -> li
     except RequestRejected as e:
         for s in streams:
             s.engine.abort(s.request_id)
-        raise APIError(400, str(e), param=e.param, code="invalid_request") from e
+        param = e.param
+        if param and param.startswith("structured_outputs") and body.structured_fields():
+            param = body.structured_fields()[0]  # the field the client sent: response_format, guided_json...
+        raise APIError(400, str(e), param=param, code="invalid_request") from e
     except EngineDeadError as e:
         for s in streams:
             s.engine.abort(s.request_id)

@@ -4,13 +4,41 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # "schema" would shadow a BaseModel attribute
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object with name and schema')
+        return self
+
+
+# vLLM's older per-kind fields, which many clients still send: field -> StructuredOutputsParams key
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class SamplingFields(BaseModel):
@@ -40,6 +68,13 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or one of the older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -56,6 +91,32 @@ class SamplingFields(BaseModel):
             if not k.lstrip("-").isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
         return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        if len(self.structured_fields()) > 1:
+            raise ValueError(f"give at most one of {', '.join(self.structured_fields())}: each constrains the output")
+        return self
+
+    def structured_fields(self) -> list[str]:
+        """The fields that ask for structured outputs (a "text" response_format asks for nothing)."""
+        given = [f for f in ("structured_outputs", *GUIDED_FIELDS) if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        return given
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        fields = self.structured_fields()
+        if not fields:
+            return None
+        if fields[0] == "response_format":
+            rf = self.response_format
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json=rf.json_schema.json_schema)
+        if fields[0] == "structured_outputs":
+            return self.structured_outputs
+        return StructuredOutputsParams(**{GUIDED_FIELDS[fields[0]]: getattr(self, fields[0])})
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
@@ -79,6 +140,7 @@ class SamplingFields(BaseModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
