@@ -41,4 +41,7 @@ class EngineConfig(BaseModel):
     enable_log_prompts: bool = Field(False, description="Include prompt text in request logs (off: prompts are never logged)")
     max_waiting_requests: int = Field(1024, ge=1, description="Queue length past which new requests get 429 + Retry-After")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest accepted request body")
+    enable_auto_tool_choice: bool = Field(False, description='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description="How tool calls are found in the model's text for tool_choice auto (the model family's format)")
     drain_timeout: float = Field(120.0, ge=0, description="Seconds to finish accepted requests after SIGTERM before aborting them")

@@ -35,6 +35,7 @@ from pagekube.engine.server.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from pagekube.engine.tool_calls import ToolReply, forced_schema
 
 log = logging.getLogger("pagekube.server")
 
@@ -164,22 +165,34 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng = admit(state, body)
+        choice = body.effective_tool_choice()
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and choice != "none" else None
         try:
             ids = await eng.run_tokenizer(chat_prompt_ids, eng.engine.tokenizer, conversation(body.messages),
-                                          body.add_generation_prompt)
+                                          body.add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = build_params(body, body.max_completion_tokens or body.max_tokens, top)
+        reply = tool_reply(state, body, choice)
+        if reply is not None and (forced := forced_schema(tools, choice)) is not None:
+            if body.structured_fields():
+                raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
+                                    f"already constrains the output; drop {body.structured_fields()[0]}",
+                               param="tool_choice", code="invalid_request")
+            params = params.model_copy(update={"structured_outputs": forced})
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await start_streams(eng, [ids], params, rid, body)
         if body.stream:
-            return sse(chat_chunks(state, body, rid, streams[0]), streams)
+            return sse(chat_chunks(state, body, rid, streams[0], reply), streams)
         finals = await collect(streams, request)
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None}
-                   for o in finals[0].outputs]
+        choices = []
+        for o in finals[0].outputs:
+            message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+            if reply is not None:
+                message, finish = reply.fresh().message(o.text, o.finish_reason)
+            choices.append({"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
+                            "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
                 "choices": choices, "usage": Usage.of(finals).as_dict()}
 
@@ -246,7 +259,22 @@ async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str, body:
 
 
 def conversation(messages) -> list[dict]:
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    return [m.as_template_input() for m in messages]
+
+
+def tool_reply(state: ServerState, body: ChatCompletionRequest, choice) -> ToolReply | None:
+    """How this request's replies become tool calls; None when no tools are in play."""
+    if choice == "none":
+        return None
+    if isinstance(choice, dict):
+        return ToolReply("named", function=choice["function"]["name"])
+    if choice == "required":
+        return ToolReply("required")
+    if not (state.config.enable_auto_tool_choice and state.config.tool_call_parser):
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                            '(or send tool_choice "required", "none" or a named function)', param="tool_choice",
+                       code="invalid_request")
+    return ToolReply("auto", parser=state.config.tool_call_parser)
 
 
 async def collect(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
@@ -366,8 +394,10 @@ async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -
                "usage": counts.as_dict()}
 
 
-async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: RequestStream) -> AsyncIterator[dict]:
+async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: RequestStream,
+                      reply: ToolReply | None = None) -> AsyncIterator[dict]:
     eng, created, counts = state.engine, int(time.time()), Usage()
+    replies = {i: reply.fresh() for i in range(body.n)} if reply is not None else None
 
     def chunk(choices):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
@@ -378,9 +408,23 @@ async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: Requ
     async for out in stream:
         for o in out.outputs:
             counts.completion += len(o.token_ids)
-            yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {},
-                          "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, body.top_logprobs or 0) if body.logprobs else None,
-                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
+            logprobs = chat_logprobs(eng, o.token_ids, o.logprobs, body.top_logprobs or 0) if body.logprobs else None
+            if replies is None:
+                yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": logprobs,
+                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
+                continue
+            # Tool calls: the text becomes content and/or tool_calls deltas; the finish reason comes last.
+            r = replies[o.index]
+            deltas = r.delta(o.text) if o.text else []
+            finish = None
+            if o.finish_reason is not None:
+                more, finish = r.finish(o.finish_reason)
+                deltas += more
+            for j, d in enumerate(deltas or ([{}] if logprobs else [])):
+                yield chunk([{"index": o.index, "delta": d, "logprobs": logprobs if j == 0 else None, "finish_reason": None}])
+            if finish is not None:
+                yield chunk([{"index": o.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                              "stop_reason": o.stop_reason}])
         if out.finished:
             counts.add_request(out)
     if body.stream_options and body.stream_options.include_usage:
