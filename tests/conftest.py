@@ -29,6 +29,29 @@ def llm(bundled_dir):
     return LLM(str(bundled_dir), dtype="float32", kv_cache_memory=256 * 1024**2)
 
 
+BUNDLED_MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(bundled_dir):
+    """The bundled model behind a real `pagekube serve` process, one per test module (a module may define its own)."""
+    from tests.server_process import ServerProcess
+
+    srv = ServerProcess(str(bundled_dir), "--served-model-name", BUNDLED_MODEL, "--kv-cache-memory", str(128 * 1024**2))
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def hf_model(bundled_dir):
     from transformers import AutoModelForCausalLM

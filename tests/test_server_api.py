@@ -3,26 +3,9 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
-from tests.server_process import ServerProcess
-
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def server(bundled_dir):
-    srv = ServerProcess(str(bundled_dir), "--served-model-name", MODEL, "--kv-cache-memory", str(128 * 1024**2))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

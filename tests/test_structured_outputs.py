@@ -9,12 +9,10 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from pagekube.engine.errors import RequestRejected
 from pagekube.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.server_process import ServerProcess
 
 MODEL = "SmolLM2-135M-Instruct"
 PERSON = {
@@ -90,21 +88,6 @@ def test_exactly_one_kind_of_constraint():
 
 
 # ---- the server, through the official client ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(bundled_dir):
-    srv = ServerProcess(str(bundled_dir), "--served-model-name", MODEL, "--dtype", "float32",
-                        "--kv-cache-memory", str(128 * 1024**2))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def person_format(strict=True) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": strict}}
 

@@ -92,21 +92,6 @@ def test_a_template_without_tool_support_gets_them_as_plain_content():
 
 
 # ---- the server ----------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(bundled_dir):
-    srv = ServerProcess(str(bundled_dir), "--served-model-name", MODEL, "--dtype", "float32",
-                        "--kv-cache-memory", str(128 * 1024**2))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_forced_tool_calls_parse_and_validate(client, tool_choice, temperature):
