@@ -232,13 +232,13 @@ class LLMEngine:
             seq.cumulative_logprob += logprob
             seq.logprobs.append(top)
         delta = detokenize_incrementally(self.tokenizer, seq, p.skip_special_tokens)
-        if seq.grammar is not None and (not seq.grammar.accept_token(tok) or seq.grammar.is_terminated()):
-            # Terminated: the grammar's stop token came (ignore_eos cannot go on past a finished document).
-            # Not accepted: only when other constraints left no token the grammar allows (e.g. min_tokens).
-            accepted = seq.grammar.is_terminated()
-            if not accepted:
-                log.warning("request %s: token %d is outside its grammar; finishing it", req.request_id, tok)
-            self._finish_seq(seq, "stop" if accepted else "abort", None)
+        if seq.grammar is not None and not seq.grammar.accept_token(tok):
+            # Only when other constraints left no token the grammar allows (e.g. min_tokens banning its stop token).
+            log.warning("request %s: token %d is outside its grammar; finishing it", req.request_id, tok)
+            self._finish_seq(seq, "abort", None)
+        elif seq.grammar is not None and seq.grammar.is_terminated():
+            # The grammar's stop token came: ignore_eos cannot go on past a finished document.
+            self._finish_seq(seq, "stop", None)
         elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
             self._finish_seq(seq, "stop", tok)
         elif tok in self.eos_token_ids and not p.ignore_eos and seq.num_output_tokens >= p.min_tokens:

@@ -29,18 +29,18 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self):
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        given += ["json_object"] if self.json_object else []
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
+        if len(self._given()) != 1:
+            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar (got {self._given() or 'none'})")
         if self.choice is not None and not self.choice:
             raise ValueError("choice must list at least one string")
 
+    def _given(self) -> list[str]:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        return given + ["json_object"] if self.json_object else given
+
     @property
     def kind(self) -> str:
-        if self.json_object:
-            return "json_object"
-        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+        return self._given()[0]
 
 
 class SamplingParams(BaseModel):

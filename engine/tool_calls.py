@@ -130,7 +130,7 @@ class ToolReply:
         msg = {"role": "assistant", "content": content or None}
         if calls:
             msg["tool_calls"] = calls
-        return msg, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
+        return msg, _finish_reason(bool(calls), finish_reason)
 
     def _calls(self, text: str) -> tuple[str, list[dict]]:
         if self.mode == "named":
@@ -145,15 +145,12 @@ class ToolReply:
     def delta(self, new_text: str) -> list[dict]:
         """Deltas for newly generated text (OpenAI stream shape)."""
         self.text += new_text
-        if self.mode == "named":  # the reply is the arguments: stream them as they come
-            if not new_text and self.named_started:
-                return []
-            fn = {"arguments": new_text}
-            head = {} if self.named_started else {"id": self.call_id, "type": "function"}
-            if not self.named_started:
-                fn = {"name": self.function, **fn}
+        if self.mode == "named":  # the reply is the arguments: stream them as they come, after the call's head
+            if self.named_started:
+                return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}] if new_text else []
             self.named_started = True
-            return [{"tool_calls": [{"index": 0, **head, "function": fn}]}]
+            return [{"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                     "function": {"name": self.function, "arguments": new_text}}]}]
         if self.mode == "required" or self.held:
             return []
         # auto: content streams until something that may start a call; the rest waits for the finish
@@ -176,7 +173,7 @@ class ToolReply:
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
         """Deltas still owed at the end (the calls, or held text), and the finish reason to report."""
         if self.mode == "named":
-            return [], ("tool_calls" if finish_reason == "stop" else finish_reason)
+            return [], _finish_reason(True, finish_reason)
         content, calls = self._calls(self.text)
         deltas = []
         if self.mode == "auto" and not calls:  # no call after all: the held text is content
@@ -189,7 +186,12 @@ class ToolReply:
             deltas = [{"content": self.text}]
         for i, c in enumerate(calls):
             deltas.append({"tool_calls": [{"index": i, **c}]})
-        return deltas, ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
+        return deltas, _finish_reason(bool(calls), finish_reason)
+
+
+def _finish_reason(has_calls: bool, finish_reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended on its own with calls; "length" etc. stay as they are."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
 
 
 def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
