@@ -1,5 +1,5 @@
 """Triton kernels for the paged KV cache: KV write, decode attention (split-K / flash-decoding) and prefill
-attention over a cached prefix. Each matches a function of kernels/reference.py (see the layout there).
+attention over a cached prefix. Each matches a function of pagekube/kernels/reference.py (see the layout there).
 
 They run on CUDA, and on the CPU under TRITON_INTERPRET=1 (how the tests check them against the reference).
 """
