@@ -129,18 +129,16 @@ class BlockManager:
         child.num_cached_tokens = parent.num_cached_tokens
 
     def free(self, seq: Sequence) -> None:
-        # Tail blocks first, so they are evicted before the shared prefix they extend.
-        for b in reversed(seq.block_table):
-            block = self.blocks[b]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of block {b}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[b] = None
-                if block.hash is None:  # holds nothing reusable: hand it out before cached blocks
-                    self.free_queue.move_to_end(b, last=False)
+        self._release(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back blocks past the sequence's tokens: what rejected speculative tokens were given slots in.
+        (Rejected slots inside a kept block are simply written over by the tokens that come next.)"""
+        keep = self.blocks_needed(seq.num_tokens)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -158,6 +156,18 @@ class BlockManager:
         return (len(filled) * self.block_size / tokens) if tokens else 1.0
 
     # ---- internals ----------------------------------------------------------------------------------------
+    def _release(self, block_ids: list[int]) -> None:
+        # Tail blocks first, so they are evicted before the shared prefix they extend.
+        for b in reversed(block_ids):
+            block = self.blocks[b]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {b}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[b] = None
+                if block.hash is None:  # holds nothing reusable: hand it out before cached blocks
+                    self.free_queue.move_to_end(b, last=False)
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

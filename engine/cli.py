@@ -7,6 +7,8 @@ import os
 import sys
 import typing
 
+from pydantic import BaseModel
+
 from pagekube.engine.config import EngineConfig
 
 
@@ -18,6 +20,8 @@ def _flag_type(annotation):
     if typing.get_origin(base) is typing.Literal:
         choices = list(typing.get_args(base))
         return type(choices[0]), choices
+    if isinstance(base, type) and issubclass(base, BaseModel):
+        return str, None  # a JSON string (vLLM's --speculative-config), parsed by the field's validator
     return base, None
 
 

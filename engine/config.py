@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pagekube.engine.speculative import SpeculativeConfig
 
 
 class EngineConfig(BaseModel):
@@ -44,4 +46,12 @@ class EngineConfig(BaseModel):
     enable_auto_tool_choice: bool = Field(False, description='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description="How tool calls are found in the model's text for tool_choice auto (the model family's format)")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} or '
+                          '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
     drain_timeout: float = Field(120.0, ge=0, description="Seconds to finish accepted requests after SIGTERM before aborting them")
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value):
+        return SpeculativeConfig.parse(value) if value is not None else None

@@ -18,12 +18,13 @@ from pagekube.engine.detokenizer import (
 )
 from pagekube.engine.errors import RequestRejected
 from pagekube.engine.model_files import BUNDLED_NAME, resolve_model_dir
-from pagekube.engine.model_runner import ModelRunner
+from pagekube.engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampler import Sampler
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagekube.engine.scheduler import Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
+from pagekube.engine.speculative import NgramProposer, SpecDecodeStats, record_acceptance, wants_proposal
 from pagekube.engine.structured import (
     DEFAULT_GRAMMAR_BACKEND,
     GrammarBackend,
@@ -49,7 +50,23 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
-        self.runner = ModelRunner(config, self.model_dir, self.hf_config)
+        self.speculative = config.speculative_config
+        draft_dir, draft_config = self._draft_model() if self.speculative else (None, None)
+        draft_bytes = 0
+        if draft_config is not None:
+            dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+            draft_bytes = kv_bytes_per_block(draft_config, config.block_size, dtype)
+        self.runner = ModelRunner(config, self.model_dir, self.hf_config, shared_bytes_per_block=draft_bytes)
+        self.proposer = None
+        self.spec_stats = None
+        if self.speculative:
+            from pagekube.engine.draft_model import DraftModelProposer
+
+            self.proposer = (DraftModelProposer(ModelRunner(config, draft_dir, draft_config, self.runner.num_blocks))
+                             if draft_config is not None else NgramProposer(self.speculative))
+            self.spec_stats = SpecDecodeStats(self.speculative.num_speculative_tokens)
+            log.info("speculative decoding: %s, %d tokens per step", self.speculative.method,
+                     self.speculative.num_speculative_tokens)
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -64,6 +81,23 @@ class LLMEngine:
                  self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
                  self.runner.num_blocks * self.runner.bytes_per_block / 1e6, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), self.runner.backend.name)
+
+    def _draft_model(self):
+        """The draft model's directory and config, or (None, None) for ngram; a draft whose vocabulary is not
+        the target's is refused here, before any weight loads."""
+        if self.speculative.method != "draft_model":
+            return None, None
+        draft_dir = resolve_model_dir(self.speculative.model)
+        draft_config = AutoConfig.from_pretrained(draft_dir)
+        problem = None
+        if draft_config.vocab_size != self.hf_config.vocab_size:
+            problem = f"vocab_size {draft_config.vocab_size} != the target's {self.hf_config.vocab_size}"
+        elif AutoTokenizer.from_pretrained(draft_dir).get_vocab() != self.tokenizer.get_vocab():
+            problem = "its tokenizer's vocabulary differs from the target's"
+        if problem:
+            raise ValueError(f"speculative_config.model {self.speculative.model}: {problem}; a draft model must "
+                             "share the target's tokenizer")
+        return draft_dir, draft_config
 
     def cache_config(self) -> dict:
         """The KV-cache settings, as vLLM's `vllm:cache_config_info` labels them."""
@@ -169,6 +203,8 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._plan_drafts()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -176,18 +212,22 @@ class LLMEngine:
         for seq in batch.seqs:
             m = seq.request.metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        logits, sample_idx = self.runner.execute(batch)
+        if self.proposer is not None:
+            self.proposer.propose(batch)
+        logits, sample_idx, first_rows = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_tokens)  # drafts' KV counts once they are accepted
             self.block_manager.cache_full_blocks(seq)
-        rows, seqs = self._fork_pending([batch.seqs[i] for i in sample_idx])
+        rows, seqs = self._fork_pending([batch.seqs[i] for i in sample_idx], first_rows)
         sampled = self.sampler(logits[rows], seqs)
         touched: dict[str, Request] = {}
         for j, seq in enumerate(seqs):
             self._append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
             touched[seq.request.request_id] = seq.request
+        speculating = [(seq, row) for seq, row in zip(seqs, rows, strict=True) if seq.spec_tokens]
+        num_generated = len(seqs) + (self._verify(logits, speculating) if speculating else 0)
         for listener in self.stat_listeners:
-            listener.on_iteration(self, batch.num_batched_tokens, len(seqs), batch.num_preempted)
+            listener.on_iteration(self, batch.num_batched_tokens, num_generated, batch.num_preempted)
         outputs = []
         for req in touched.values():
             if req.is_finished:
@@ -198,12 +238,12 @@ class LLMEngine:
             outputs.append(self.make_output(req))
         return outputs
 
-    def _fork_pending(self, sampled: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+    def _fork_pending(self, sampled: list[Sequence], first_rows: list[int]) -> tuple[list[int], list[Sequence]]:
         """A request with n > 1 samples all its sequences from the first one's prompt logits. The children fork
         here, before any token is appended: choice 0 may finish on this very token and give its blocks back.
         Returns, per sequence to sample, its row in the logits."""
         rows, seqs = [], []
-        for i, seq in enumerate(sampled):
+        for i, seq in zip(first_rows, sampled, strict=True):
             rows.append(i)
             seqs.append(seq)
             if seq.index == 0 and seq.num_output_tokens == 0:
@@ -214,6 +254,54 @@ class LLMEngine:
                         rows.append(i)
                         seqs.append(child)
         return rows, seqs
+
+    # ---- speculative decoding -----------------------------------------------------------------------------
+    def _plan_drafts(self) -> None:
+        """Drafts for each decoding sequence (none past max_tokens or the model length, none while backed off)."""
+        k_max = self.speculative.num_speculative_tokens
+        for seq in self.scheduler.running:
+            seq.spec_tokens = []
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
+                continue  # prefilling, or about to sample its first token (n > 1 forks from it then)
+            k = min(k_max, seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if k > 0 and wants_proposal(seq):
+                seq.spec_tokens = self.proposer.plan(seq, k)
+
+    def _verify(self, logits, speculating: list[tuple[Sequence, int]]) -> int:
+        """Keep each sequence's drafts while the target agrees. The token just appended was sampled, with every
+        processor applied, from the row before draft 0; if it equals draft 0, draft 0's KV is valid and the row
+        after it samples the next token, and so on; the first disagreement (or the row after the last draft, the
+        bonus token) ends the sequence's step. Sampling each row exactly as a plain decode would makes greedy
+        output identical, and for sampling it is the rejection rule with a point-mass proposal q: accept draft d
+        with probability min(1, p(d) / q(d)) = p(d), else draw from the residual max(0, p - q), i.e. p without d,
+        renormalized; the outputs are distributed as the target's. Returns the tokens generated here."""
+        generated, pos = 0, 0
+        live = speculating
+        accepted = dict.fromkeys((seq.seq_id for seq, _ in speculating), 0)
+        while live:
+            agreed = [(seq, row) for seq, row in live
+                      if not seq.is_finished and seq.token_ids[-1] == seq.spec_tokens[pos]]
+            for seq, _ in agreed:
+                seq.num_computed_tokens += 1  # the draft fed at this position was the real token
+                accepted[seq.seq_id] += 1
+            pos += 1
+            if not agreed:
+                break
+            sampled = self.sampler(logits[[row + pos for _, row in agreed]], [seq for seq, _ in agreed])
+            for j, (seq, _) in enumerate(agreed):
+                self._append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
+            generated += len(agreed)
+            live = [(seq, row) for seq, row in agreed if pos < len(seq.spec_tokens)]
+        for seq, _ in speculating:
+            proposed = len(seq.spec_tokens)
+            self.spec_stats.record(proposed, accepted[seq.seq_id])
+            record_acceptance(seq, proposed, accepted[seq.seq_id])
+            seq.spec_tokens = []
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
+                self.block_manager.trim(seq)
+        return generated
 
     def _append_token(self, seq: Sequence, tok: int, logprob: float | None, top: dict[int, float] | None) -> None:
         req, p = seq.request, seq.request.params

@@ -30,8 +30,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens (the model's shapes, from its config alone)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir, hf_config):
+    def __init__(self, config: EngineConfig, model_dir, hf_config, num_blocks: int | None = None,
+                 shared_bytes_per_block: int = 0):
+        """`num_blocks`: a draft model's pool has as many blocks as the target's (it reads the same block
+        tables); `shared_bytes_per_block`: what each block also costs elsewhere (that draft pool), so the
+        memory budget is split between them."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -41,7 +53,7 @@ class ModelRunner:
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = num_blocks or self._num_kv_blocks(shared_bytes_per_block)
         shape = (self.num_blocks, *self.kv_shape)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -50,18 +62,18 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        bs, heads, dim = self.kv_shape
-        return 2 * self.num_layers * bs * heads * dim * torch.finfo(self.dtype).bits // 8
+        return kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, shared_bytes_per_block: int) -> int:
         budget = self.config.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         if budget is None:
             budget = DEFAULT_CPU_KV_BYTES
-        num = budget // self.bytes_per_block
+        per_block = self.bytes_per_block + shared_bytes_per_block
+        num = budget // per_block
         if num < 1:
-            raise ValueError(f"KV-cache memory {budget} B holds no block of {self.bytes_per_block} B")
+            raise ValueError(f"KV-cache memory {budget} B holds no block of {per_block} B")
         return int(num)
 
     @torch.inference_mode()
@@ -88,42 +100,57 @@ class ModelRunner:
             k[dst] = k[src]
             v[dst] = v[src]
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int], list[int]]:
         """Forward the batch. Returns logits for the sequences whose step ends at their last token (they sample
-        next), and the indices of those sequences in the batch."""
+        next), the indices of those sequences in the batch, and each one's first logits row. A sequence with
+        draft tokens gets a row per draft plus one (the target's verdict on each, then the bonus token)."""
         self.copy_blocks(batch.blocks_to_copy)
-        bs = self.block_size
-        tokens, positions, slots, starts, ctx_lens, last_rows, sample_idx = [], [], [], [0], [], [], []
-        max_blocks = 1
+        items, sample_idx, first_rows, rows = [], [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            start = seq.num_computed_tokens
-            tokens.extend(seq.token_ids[start : start + n])
+            start, drafts = seq.num_computed_tokens, seq.spec_tokens
+            real = n - len(drafts)
+            ends = start + real == seq.num_tokens
+            num_logits = (1 + len(drafts)) if ends else 0
+            items.append((seq.block_table, start, seq.token_ids[start : start + real] + drafts, num_logits))
+            if ends:
+                sample_idx.append(i)
+                first_rows.append(rows)
+                rows += num_logits
+        return self.forward(items), sample_idx, first_rows
+
+    @torch.inference_mode()
+    def forward(self, items: list[tuple[list[int], int, list[int], int]]) -> torch.Tensor:
+        """One forward over (block_table, start position, tokens, logits wanted) items: each item's tokens take
+        positions start.. and their KV slots in its blocks; logits come back for each item's last `logits wanted`
+        tokens, in item order."""
+        bs = self.block_size
+        tokens, positions, slots, starts, ctx_lens, logit_rows = [], [], [], [0], [], []
+        max_blocks = 1
+        for table, start, toks, num_logits in items:
+            n = len(toks)
+            tokens.extend(toks)
             pos = range(start, start + n)
             positions.extend(pos)
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
             starts.append(starts[-1] + n)
             ctx_lens.append(start + n)
-            max_blocks = max(max_blocks, len(seq.block_table))
-            if start + n == seq.num_tokens:
-                last_rows.append(starts[-1] - 1)
-                sample_idx.append(i)
-        tables = torch.zeros((len(batch.seqs), max_blocks), dtype=torch.int32)
-        for i, seq in enumerate(batch.seqs):
-            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+            max_blocks = max(max_blocks, len(table))
+            logit_rows.extend(range(starts[-1] - num_logits, starts[-1]))
+        tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
+        for i, (table, *_) in enumerate(items):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         to_dev = self._to_device
         meta = AttentionMetadata(
             slot_mapping=to_dev(torch.tensor(slots, dtype=torch.long)),
             block_tables=to_dev(tables),
             query_start_loc=to_dev(torch.tensor(starts, dtype=torch.int32)),
             context_lens=to_dev(torch.tensor(ctx_lens, dtype=torch.int32)),
-            query_lens=list(batch.num_new_tokens),
+            query_lens=[len(toks) for _, _, toks, _ in items],
             context_lens_list=ctx_lens,
         )
         hidden = self.model(to_dev(torch.tensor(tokens)), to_dev(torch.tensor(positions)),
                             self.kv_caches, meta, self.backend)
-        logits = self.model.compute_logits(hidden[to_dev(torch.tensor(last_rows, dtype=torch.long))])
-        return logits, sample_idx
+        return self.model.compute_logits(hidden[to_dev(torch.tensor(logit_rows, dtype=torch.long))])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model's device: from pinned memory without blocking on a GPU (the copy overlaps the

@@ -4,6 +4,9 @@ Each step: running sequences first (decodes and unfinished prefill chunks), then
 budget. When the KV cache runs out, the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the queue, to be recomputed later (its cached blocks may still be hit). A step that preempted
 admits nobody new.
+
+A decoding sequence may carry speculative draft tokens (`seq.spec_tokens`): they count against the token budget and
+get KV slots like any other token; with no budget or no blocks for them it decodes plainly.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.spec_tokens = seq.spec_tokens[: max(0, budget - num_new)]
+            if seq.spec_tokens and not bm.allocate_slots(seq, num_new + len(seq.spec_tokens)):
+                seq.spec_tokens = []  # no blocks for its drafts: it decodes plainly (or is preempted, below)
+            num_new += len(seq.spec_tokens)
             while not bm.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -102,7 +109,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
+        seq.spec_tokens = []
         seq.status = SequenceStatus.WAITING
         seq.request.num_preemptions += 1
         self.num_preemptions += 1

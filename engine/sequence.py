@@ -42,6 +42,12 @@ class Sequence:
         self.sent_tokens = self.sent_text_len = 0
         self.sent_finish = False
         self.grammar = None  # a structured-outputs matcher (engine/structured/) when the request is constrained
+        # Speculative decoding (engine/speculative.py): this step's draft tokens (not in token_ids until accepted),
+        # how many tokens a draft model's own KV holds, and the recent acceptance that drives the back-off.
+        self.spec_tokens: list[int] = []
+        self.num_draft_computed = 0
+        self.spec_acceptance = 1.0
+        self.spec_skipped = 0
 
     @property
     def num_tokens(self) -> int:

@@ -139,7 +139,8 @@ def test_lru_eviction_reuses_the_least_recently_freed_cached_block_first():
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free"]), st.integers(0, 1000)), max_size=60))
+@given(st.lists(st.tuples(st.sampled_from(["new", "append", "speculate", "fork", "free"]), st.integers(0, 1000)),
+                max_size=60))
 def test_random_operations_never_leak_or_double_free(ops):
     bm = BlockManager(24, BS)
     live: list[Sequence] = []
@@ -154,6 +155,20 @@ def test_random_operations_never_leak_or_double_free(ops):
             seq.token_ids.append(arg % 5)
             if bm.allocate_slots(seq, 1):
                 compute(bm, seq)
+            else:
+                seq.token_ids.pop()
+        elif op == "speculate" and live:
+            # A decode with k drafts (slots for the token and each draft), then `accepted` of them kept: the
+            # rejected ones' slots are rolled back (trim), the kept ones are computed.
+            seq = live[arg % len(live)]
+            k, accepted = 1 + arg % 5, arg % 3
+            seq.token_ids.append(arg % 5)
+            if bm.allocate_slots(seq, 1 + k):
+                seq.token_ids.extend([arg % 7] * min(accepted, k))
+                compute(bm, seq)
+                bm.trim(seq)
+                assert len(seq.block_table) == bm.blocks_needed(seq.num_tokens)
+                assert len(seq.block_hashes) <= seq.num_computed_tokens // BS
             else:
                 seq.token_ids.pop()
         elif op == "fork" and live:

@@ -37,7 +37,7 @@ class EngineMetrics:
     """Implements the engine's StatListener; gauges are refreshed from engine state on every iteration."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 100_000,
-                 cache_config: dict | None = None):
+                 cache_config: dict | None = None, spec_stats=None):
         self.registry = registry or CollectorRegistry()
         r, label, values = self.registry, ["model_name", "engine"], (model_name, ENGINE_INDEX)
         self.model_name = model_name
@@ -86,6 +86,15 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(*values, reason)
         self._cache_seen = (0, 0)
+        self.spec_stats = spec_stats  # speculative decoding's counters (engine/speculative.py), when it is on
+        if spec_stats is not None:  # as vLLM: these series exist only when speculation is configured
+            self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Sequence-steps that carried draft tokens")
+            self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")
+            self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
+                              [*label, "position"], registry=r)
+            self.spec_per_pos = [per_pos.labels(*values, str(i)) for i in range(len(spec_stats.accepted_per_pos))]
+            self._spec_seen = (0, 0, 0, [0] * len(spec_stats.accepted_per_pos))
 
     # ---- StatListener ---------------------------------------------------------------------------------------
     def on_iteration(self, engine, num_tokens: int, num_generated: int, num_preemptions: int) -> None:
@@ -105,6 +114,17 @@ class EngineMetrics:
         self.cache_queries.inc(q - self._cache_seen[0])
         self.cache_hits.inc(h - self._cache_seen[1])
         self._cache_seen = (q, h)
+        if self.spec_stats is not None:
+            self._refresh_spec()
+
+    def _refresh_spec(self) -> None:
+        st, (drafts, tokens, accepted, per_pos) = self.spec_stats, self._spec_seen
+        self.spec_drafts.inc(st.num_drafts - drafts)
+        self.spec_draft_tokens.inc(st.num_draft_tokens - tokens)
+        self.spec_accepted.inc(st.num_accepted_tokens - accepted)
+        for counter, now, seen in zip(self.spec_per_pos, st.accepted_per_pos, per_pos, strict=True):
+            counter.inc(now - seen)
+        self._spec_seen = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos))
 
     def on_first_token(self, req: Request) -> None:
         m = req.metrics

@@ -68,7 +68,7 @@ async def _serve(config: EngineConfig) -> int:
         await serving
         return 1
     state.metrics = EngineMetrics(engine.served_model_name, max_model_len=engine.max_model_len,
-                                  cache_config=engine.cache_config())
+                                  cache_config=engine.cache_config(), spec_stats=engine.spec_stats)
     engine.stat_listeners.append(state.metrics)
     if not config.disable_log_requests:
         engine.stat_listeners.append(RequestLogger(engine.served_model_name, config.enable_log_prompts))

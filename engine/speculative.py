@@ -1,0 +1,116 @@
+"""Speculative decoding: who proposes draft tokens, and when a sequence stops asking.
+
+A proposer guesses up to k next tokens per decoding sequence; the target model scores them all in the step's one
+forward (k+1 query tokens, like a prefill chunk) and the engine keeps the longest prefix the target agrees with
+(llm_engine.py `_verify`). Proposals never change what is generated, only how many tokens a step yields.
+
+Methods, named and shaped as vLLM's `--speculative-config`:
+- `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n tokens,
+  n from prompt_lookup_max down to prompt_lookup_min. No model; pays on outputs that copy from the prompt.
+- `draft_model`: a small model with the target's vocabulary (engine/draft_model.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagekube.engine.sequence import Sequence
+
+# Back-off: a sequence whose recent acceptance (an exponential average of accepted / proposed) falls below this
+# stops proposing, but probes again every BACKOFF_PROBE_STEPS steps, so a copy-heavy stretch later is still found.
+BACKOFF_ACCEPTANCE = 0.25
+BACKOFF_PROBE_STEPS = 8
+ACCEPTANCE_DECAY = 0.7
+
+
+class SpeculativeConfig(BaseModel):
+    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` or `{"model": PATH, ...}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram", "draft_model"] | None = Field(
+        None, description="ngram (prompt lookup) or draft_model; default: draft_model when model is set, else ngram")
+    model: str | None = Field(None, description="Draft model directory or .gguf file (same vocabulary as the target)")
+    num_speculative_tokens: int = Field(ge=1, le=16, description="Draft tokens proposed per sequence per step")
+    prompt_lookup_min: int | None = Field(None, ge=1, description="ngram: shortest suffix to look up (default: max)")
+    prompt_lookup_max: int | None = Field(None, ge=1, description="ngram: longest suffix to look up (default: 5)")
+
+    @model_validator(mode="after")
+    def _resolve(self) -> SpeculativeConfig:
+        if self.method is None:
+            self.method = "draft_model" if self.model not in (None, "ngram", "[ngram]") else "ngram"
+        if self.method == "ngram":
+            self.model = None
+            self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or 5
+            self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                                 f"({self.prompt_lookup_max})")
+        elif self.model is None:
+            raise ValueError("method draft_model needs model: the draft model's directory or .gguf file")
+        return self
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
+        """From the CLI's JSON string, the offline API's dict, or a config."""
+        if isinstance(value, str):
+            value = json.loads(value)
+        return value if isinstance(value, cls) else cls.model_validate(value)
+
+
+class NgramProposer:
+    """Prompt lookup over the sequence's own prompt + output. Proposers have two calls: plan (before scheduling:
+    the drafts, or placeholders for as many) and propose (after: fill placeholders; nothing to do here)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, batch) -> None:
+        pass
+
+    def plan(self, seq: Sequence, k: int) -> list[int]:
+        tokens = np.asarray(seq.token_ids)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = hits[-1] + n  # the latest occurrence: its continuation is the most recent context
+                return tokens[start : start + k].tolist()
+        return []
+
+
+class SpecDecodeStats:
+    """Counters behind vLLM's `vllm:spec_decode_*` metrics (read by the server's metrics, as deltas)."""
+
+    def __init__(self, k: int):
+        self.num_drafts = 0  # verifications: sequences x steps that carried proposals
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+def wants_proposal(seq: Sequence) -> bool:
+    """Back-off: poor recent acceptance skips proposing, except for a probe every few steps."""
+    if seq.spec_acceptance >= BACKOFF_ACCEPTANCE:
+        return True
+    seq.spec_skipped += 1
+    if seq.spec_skipped >= BACKOFF_PROBE_STEPS:
+        seq.spec_skipped = 0
+        return True
+    return False
+
+
+def record_acceptance(seq: Sequence, proposed: int, accepted: int) -> None:
+    seq.spec_acceptance = ACCEPTANCE_DECAY * seq.spec_acceptance + (1 - ACCEPTANCE_DECAY) * accepted / proposed
