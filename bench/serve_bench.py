@@ -2,8 +2,10 @@
 side with the offline engine on the same workload.
 
     .venv/bin/python bench/serve_bench.py --requests 64 --max-tokens 32 --concurrency 1 8 32 --out docs/bench
+    .venv/bin/python bench/serve_bench.py --structured --requests 64 --max-tokens 64 --concurrency 32
 
-Prints a markdown table (paste it into docs/benchmarks.md) and writes a PNG plot next to --out.
+--structured measures the cost of structured outputs instead: the same requests, once unconstrained and once
+with a JSON-schema response_format, on one server at the top concurrency. Prints a markdown table (paste it into docs/benchmarks.md) and writes a PNG plot next to --out.
 """
 
 from __future__ import annotations
@@ -50,12 +52,21 @@ def offline(model: str | None, prompts: list[str], max_tokens: int, max_num_seqs
             "tok_s": tokens / wall}
 
 
-async def run_client(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+# A record whose document cannot close before max_tokens (minItems), so both sides of --structured decode the same
+# number of tokens and tokens/s compares like with like.
+RECORD_SCHEMA = {"type": "object", "required": ["title", "tags"], "properties": {
+    "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "minItems": 64}}}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD_SCHEMA}}
+
+
+async def run_client(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
+                     response_format: dict | None = None) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(concurrency)
     ttfts, itls, tokens = [], [], 0
+    extra = {"ignore_eos": True} | ({"response_format": response_format} if response_format else {})
 
     async def one(prompt):
         nonlocal tokens
@@ -63,7 +74,7 @@ async def run_client(url: str, model: str, prompts: list[str], max_tokens: int, 
             t0 = time.perf_counter()
             last = None
             stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                     temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                                     temperature=0, stream=True, extra_body=extra,
                                                      stream_options={"include_usage": True})
             async for chunk in stream:
                 now = time.perf_counter()
@@ -80,7 +91,8 @@ async def run_client(url: str, model: str, prompts: list[str], max_tokens: int, 
     await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - start
     await client.close()  # before asyncio.run closes this loop
-    return {"mode": "server (openai client, streaming)", "concurrency": concurrency, "tokens": tokens,
+    mode = "server, json_schema response_format" if response_format else "server (openai client, streaming)"
+    return {"mode": mode, "concurrency": concurrency, "tokens": tokens,
             "wall_s": wall, "tok_s": tokens / wall, "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99),
             "itl_p50": pct(itls, 50), "itl_p99": pct(itls, 99)}
 
@@ -123,32 +135,53 @@ def plot(rows: list[dict], path: Path) -> None:
     print(f"plot: {path}")
 
 
+def structured_cost(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[dict]:
+    """Unconstrained, then JSON-schema constrained, then both again: the second pair is the one reported (the first
+    warms the schema's compile cache and the grammar backend)."""
+    rows = []
+    for _ in range(2):
+        rows = [asyncio.run(run_client(url, model, prompts, max_tokens, concurrency, fmt))
+                for fmt in (None, JSON_SCHEMA_FORMAT)]
+    free, constrained = rows
+    assert free["tokens"] == constrained["tokens"], "both sides must decode the same tokens (the schema's minItems)"
+    print(table(rows))
+    print(f"\njson_schema / unconstrained output tok/s at concurrency {concurrency}: "
+          f"{constrained['tok_s'] / free['tok_s']:.2f}x")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--structured", action="store_true", help="measure JSON-schema requests against unconstrained")
     ap.add_argument("--out", default="docs/bench", help="prefix for the .json results and the .png plot")
     args = ap.parse_args()
     prompts = workload(args.requests)
     top = max(args.concurrency)
-    rows = [offline(args.model, prompts, args.max_tokens, top)]
+    rows = [] if args.structured else [offline(args.model, prompts, args.max_tokens, top)]
     srv = ServerProcess(*([args.model] if args.model else []), "--max-num-seqs", str(top), "--disable-log-requests")
     try:
         srv.wait_ready()
         model = json.loads(__import__("httpx").get(srv.url + "/v1/models").text)["data"][0]["id"]
         asyncio.run(run_client(srv.url, model, prompts[:4], args.max_tokens, 4))  # warm-up
-        for c in args.concurrency:
-            rows.append(asyncio.run(run_client(srv.url, model, prompts, args.max_tokens, c)))
+        if args.structured:
+            rows = structured_cost(srv.url, model, prompts, args.max_tokens, top)
+        else:
+            for c in args.concurrency:
+                rows.append(asyncio.run(run_client(srv.url, model, prompts, args.max_tokens, c)))
     finally:
         srv.stop()
-    print(table(rows))
-    ratio = rows[-1]["tok_s"] / rows[0]["tok_s"]
-    print(f"\nserver at concurrency {top} / offline: {ratio:.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
+    if args.structured:
+        return
+    print(table(rows))
+    ratio = rows[-1]["tok_s"] / rows[0]["tok_s"]
+    print(f"\nserver at concurrency {top} / offline: {ratio:.2f}x")
     plot(rows, out.with_suffix(".png"))
 
 
