@@ -18,3 +18,12 @@ def test_sampler_benchmark_smoke():
 
 def test_gpu_check_script_parses():
     assert subprocess.run(["bash", "-n", str(REPO / "bench/gpu_check.sh")]).returncode == 0
+
+
+def test_spec_decode_benchmark_smoke():
+    """Also checks, on real prompts, that greedy output is identical with speculation (the script asserts it)."""
+    out = subprocess.run([sys.executable, str(REPO / "bench/spec_decode.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| copy-heavy", "| free chat"))]
+    assert len(rows) == 2 and all("x |" in line for line in rows)
