@@ -120,6 +120,7 @@ class AsyncEngine:
         self._commands.put(("wake", None))
         self._thread.join(timeout=10)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
 
     # ---- the loop thread -----------------------------------------------------------------------------------
     def _run(self) -> None:

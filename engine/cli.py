@@ -11,6 +11,8 @@ from pydantic import BaseModel
 
 from pagekube.engine.config import EngineConfig
 
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
+
 
 def _flag_type(annotation):
     """(type, choices) for a field: `int | None` -> int; `Literal["a", "b"]` -> str with choices; `Literal[8, 16]`
@@ -34,12 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in EngineConfig.model_fields.items():
         if name == "model":
             continue
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *SHORT_FLAGS.get(name, ())]
         typ, choices = _flag_type(field.annotation)
         if typ is bool:
-            serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=field.description)
+            serve.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default, help=field.description)
         else:
-            serve.add_argument(flag, type=typ, choices=choices, default=field.default, help=field.description,
+            serve.add_argument(*flags, type=typ, choices=choices, default=field.default, help=field.description,
                                metavar=None if choices else name.upper())
     return parser
 

@@ -26,6 +26,7 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="Attention implementation; auto = triton on CUDA, torch otherwise"
     )
+    tensor_parallel_size: int = Field(1, ge=1, description="Devices (processes) one engine shards the model over, Megatron-style (-tp)")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output, in tokens (default: the model's limit)")
     block_size: Literal[1, 2, 4, 8, 16, 32, 64, 128, 256] = Field(
         16, description="Tokens per KV-cache block (a power of two; the Triton backend needs at least 16)"

@@ -22,6 +22,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop tensor-parallel workers, if any (their processes also end with this one)."""
+        self.engine.close()
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts: strings, token-id lists or {"prompt_token_ids": [...]}."""

@@ -31,6 +31,8 @@ from pagekube.engine.structured import (
     GrammarError,
     make_grammar_backend,
 )
+from pagekube.engine.tensor_parallel import TPShard, unsupported
+from pagekube.engine.tp_workers import Workers, init_distributed
 
 log = logging.getLogger("pagekube.engine")
 
@@ -56,7 +58,14 @@ class LLMEngine:
         if draft_config is not None:
             dtype = resolve_dtype(config.dtype, resolve_device(config.device))
             draft_bytes = kv_bytes_per_block(draft_config, config.block_size, dtype)
-        self.runner = ModelRunner(config, self.model_dir, self.hf_config, shared_bytes_per_block=draft_bytes)
+        self.workers = None  # tensor-parallel ranks 1.. (engine/tp_workers.py)
+        shard, control = self._start_tensor_parallel()
+        try:
+            self.runner = ModelRunner(config, self.model_dir, self.hf_config, shared_bytes_per_block=draft_bytes,
+                                      shard=shard, control=control)
+        except BaseException:
+            self.close()
+            raise
         self.proposer = None
         self.spec_stats = None
         if self.speculative:
@@ -81,6 +90,28 @@ class LLMEngine:
                  self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
                  self.runner.num_blocks * self.runner.bytes_per_block / 1e6, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), self.runner.backend.name)
+
+    def _start_tensor_parallel(self):
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return TPShard(), None
+        problem = unsupported(self.hf_config, size)
+        if problem:
+            raise ValueError(f"--tensor-parallel-size {size}: the model cannot be split: {problem}")
+        self.workers = Workers(size, self.config, self.model_dir)
+        try:
+            control = init_distributed(0, size, self.workers.port, resolve_device(self.config.device))
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor parallel: %d ranks (this process is rank 0)", size)
+        return TPShard(0, size), control
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them)."""
+        if self.workers is not None:
+            self.workers.stop(getattr(self, "runner", None))
+            self.workers = None
 
     def _draft_model(self):
         """The draft model's directory and config, or (None, None) for ngram; a draft whose vocabulary is not
@@ -203,6 +234,8 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.workers is not None:
+            self.workers.check()  # a dead rank: fail now, not in the next collective
         if self.proposer is not None:
             self._plan_drafts()
         batch = self.scheduler.schedule()

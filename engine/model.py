@@ -15,6 +15,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from pagekube.engine.tensor_parallel import TPShard, all_reduce, gather_logits
+
 
 @dataclass
 class AttentionMetadata:
@@ -62,11 +64,14 @@ def fused_linear(in_features: int, output_sizes: list[int], bias: bool) -> nn.Li
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, shard: TPShard):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        # This rank's heads (all of them without tensor parallelism): q/k/v column-parallel, o_proj row-parallel.
+        self.num_heads, self.q_start = shard.split(heads)
+        self.num_kv_heads, self.kv_start = shard.kv_heads(getattr(config, "num_key_value_heads", None) or heads)
+        self.shard = shard
         self.scale = self.head_dim**-0.5
         self.layer_idx = layer_idx
         bias = getattr(config, "attention_bias", config.model_type == "qwen2")
@@ -88,27 +93,47 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return all_reduce(self.o_proj(out.reshape(t, -1)), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, shard: TPShard):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = fused_linear(config.hidden_size, [config.intermediate_size] * 2, bias)  # gate, then up
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.size, self.start = shard.split(config.intermediate_size)  # gate/up column-, down row-parallel
+        self.shard = shard
+        self.gate_up_proj = fused_linear(config.hidden_size, [self.size] * 2, bias)  # gate, then up
+        self.down_proj = nn.Linear(self.size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return all_reduce(self.down_proj(self.act(gate) * up), self.shard)
+
+
+class VocabEmbedding(nn.Module):
+    """The embedding, or this rank's rows of it: ids outside them give zeros, and the all-reduce sums the ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: TPShard):
+        super().__init__()
+        self.rows, self.start, _ = shard.vocab(vocab_size)
+        self.shard = shard
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        here = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * here[:, None].to(self.weight.dtype)
+        return all_reduce(out, self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, shard: TPShard):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -118,10 +143,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, shard: TPShard):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)  # transformers' RoPE: every rope_scaling type, same numbers
 
@@ -140,16 +165,17 @@ class CausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config):
+    def __init__(self, config, shard: TPShard = TPShard()):
         super().__init__()
         if config.model_type not in self.supported_model_types:
             raise ValueError(f"model_type {config.model_type!r} is not supported "
                              f"(supported: {', '.join(self.supported_model_types)})")
         self.config = config
-        self.model = DecoderModel(config)
+        self.shard = shard
+        self.model = DecoderModel(config, shard)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.rows, bias=False)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta, backend)
@@ -169,9 +195,36 @@ class CausalLM(nn.Module):
                 return target, params[target].narrow(0, sum(sizes[:index]), sizes[index])
         return None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
+        """The part of checkpoint tensor `name` this rank holds: (dim, start, length); "zero" for a row-parallel
+        bias off rank 0 (added once, after the all-reduce); None for all of it."""
+        if self.shard.size == 1:
+            return None
+        *path, kind = name.split(".")
+        leaf = path[-1] if path else ""
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        hd = attn.head_dim
+        if leaf == "q_proj":
+            return 0, attn.q_start * hd, attn.num_heads * hd
+        if leaf in ("k_proj", "v_proj"):
+            return 0, attn.kv_start * hd, attn.num_kv_heads * hd
+        if leaf in ("gate_proj", "up_proj"):
+            return 0, mlp.start, mlp.size
+        if leaf in ("o_proj", "down_proj"):
+            if kind == "bias":
+                return "zero" if self.shard.rank else None
+            return (1, attn.q_start * hd, attn.num_heads * hd) if leaf == "o_proj" else (1, mlp.start, mlp.size)
+        if leaf in ("embed_tokens", "lm_head"):
+            _, start, real = self.shard.vocab(self.config.vocab_size)
+            return 0, start, real
+        return None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary (on rank 0; None on other ranks)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         if hidden.device.type == "cpu" and hidden.shape[0] > 1:
             # MKL runs a tall [vocab, hidden] weight at half speed; slices of 2048 rows stay fast (1.7x at 32 rows).
-            return torch.cat([F.linear(hidden, w) for w in weight.split(2048)], dim=-1).float()
-        return F.linear(hidden, weight).float()
+            local = torch.cat([F.linear(hidden, w) for w in weight.split(2048)], dim=-1).float()
+        else:
+            local = F.linear(hidden, weight).float()
+        return gather_logits(local, self.shard, self.config.vocab_size)

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pagekube.engine.model import CausalLM
+from pagekube.engine.tensor_parallel import TPShard
 
 log = logging.getLogger("pagekube.engine")
 
@@ -27,9 +28,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device,
+               shard: TPShard = TPShard()) -> CausalLM:
+    """With tensor parallelism each rank reads only its slice of each tensor (safetensors slices: no rank ever
+    holds the full weights)."""
     with torch.device("meta"):
-        model = CausalLM(hf_config).to(dtype)
+        model = CausalLM(hf_config, shard).to(dtype)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     model.model.rotary = type(model.model.rotary)(hf_config).to(device)  # float32 buffers, computed not loaded
@@ -46,7 +50,18 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
                     if target is None:
                         continue  # e.g. rotary inv_freq, or lm_head when tied
                     param_name, dest = target
-                    tensor = st.get_tensor(name)
+                    part = model.checkpoint_slice(name)
+                    if part == "zero":
+                        tensor = torch.zeros(dest.shape)
+                    elif part is None:
+                        tensor = st.get_tensor(name)
+                    else:
+                        dim, first, length = part
+                        piece = st.get_slice(name)
+                        tensor = piece[first:first + length] if dim == 0 else piece[:, first:first + length]
+                        if dim == 0 and length < dest.shape[0]:  # the last rank's vocabulary rows: padding after
+                            covered[param_name] = covered.get(param_name, 0) + dest[length:].numel()
+                            dest = dest[:length]
                     if tensor.shape != dest.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
                     with torch.no_grad():

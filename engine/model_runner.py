@@ -1,16 +1,26 @@
-"""ModelRunner: owns the weights and the KV pool; turns a scheduled batch into one forward and its logits."""
+"""ModelRunner: owns the weights and the KV pool; turns a scheduled batch into one forward and its logits.
+
+With tensor parallelism every rank has one, holding its shard and its heads' KV pool. Rank 0's builds each step's
+inputs and broadcasts them as one packed int64 tensor (a header, then the payload); the workers' runners wait in
+`serve_forever` and run the same forward on their shards.
+"""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+import torch.distributed as dist
 
 from pagekube.engine.attention import make_backend
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.model import AttentionMetadata
 from pagekube.engine.model_loader import load_model
 from pagekube.engine.scheduler import ScheduledBatch
+from pagekube.engine.tensor_parallel import TPShard
+
+FORWARD, STOP = 1, 2  # packet commands, rank 0 -> workers
+HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies
 
 log = logging.getLogger("pagekube.engine")
 
@@ -18,10 +28,10 @@ DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return torch.device(name, rank) if name == "cuda" else torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -40,20 +50,26 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir, hf_config, num_blocks: int | None = None,
-                 shared_bytes_per_block: int = 0):
+                 shared_bytes_per_block: int = 0, shard: TPShard = TPShard(), control=None):
         """`num_blocks`: a draft model's pool has as many blocks as the target's (it reads the same block
         tables); `shared_bytes_per_block`: what each block also costs elsewhere (that draft pool), so the
-        memory budget is split between them."""
+        memory budget is split between them. `shard` and `control` (a gloo group for the step packets): this
+        rank's part under tensor parallelism."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.shard, self.control = shard, control
+        self.device = resolve_device(config.device, shard.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.backend = make_backend(config.attention_backend, self.device, self.block_size, self.dtype)
-        self.model = load_model(hf_config, model_dir, self.dtype, self.device)
+        self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
         self.num_blocks = num_blocks or self._num_kv_blocks(shared_bytes_per_block)
+        if shard.size > 1:  # every rank's pool must hold the same blocks: the smallest one's
+            agreed = torch.tensor([self.num_blocks])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
+            self.num_blocks = int(agreed)
         shape = (self.num_blocks, *self.kv_shape)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -62,7 +78,8 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model.config, self.block_size, self.dtype)
+        bs, heads, dim = self.kv_shape  # this rank's KV heads
+        return 2 * self.num_layers * bs * heads * dim * torch.finfo(self.dtype).bits // 8
 
     def _num_kv_blocks(self, shared_bytes_per_block: int) -> int:
         budget = self.config.kv_cache_memory
@@ -96,6 +113,9 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
+        self._copy_blocks(src, dst)
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for k, v in self.kv_caches:
             k[dst] = k[src]
             v[dst] = v[src]
@@ -104,7 +124,6 @@ class ModelRunner:
         """Forward the batch. Returns logits for the sequences whose step ends at their last token (they sample
         next), the indices of those sequences in the batch, and each one's first logits row. A sequence with
         draft tokens gets a row per draft plus one (the target's verdict on each, then the bonus token)."""
-        self.copy_blocks(batch.blocks_to_copy)
         items, sample_idx, first_rows, rows = [], [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start, drafts = seq.num_computed_tokens, seq.spec_tokens
@@ -116,16 +135,17 @@ class ModelRunner:
                 sample_idx.append(i)
                 first_rows.append(rows)
                 rows += num_logits
-        return self.forward(items), sample_idx, first_rows
+        return self.forward(items, batch.blocks_to_copy), sample_idx, first_rows
 
-    @torch.inference_mode()
-    def forward(self, items: list[tuple[list[int], int, list[int], int]]) -> torch.Tensor:
+    def forward(self, items: list[tuple[list[int], int, list[int], int]],
+                copies: list[tuple[int, int]] = ()) -> torch.Tensor:
         """One forward over (block_table, start position, tokens, logits wanted) items: each item's tokens take
         positions start.. and their KV slots in its blocks; logits come back for each item's last `logits wanted`
-        tokens, in item order."""
+        tokens, in item order. Block copies (copy-on-write) are applied first."""
         bs = self.block_size
         tokens, positions, slots, starts, ctx_lens, logit_rows = [], [], [], [0], [], []
-        max_blocks = 1
+        max_blocks = max([1] + [len(table) for table, *_ in items])
+        tables = []
         for table, start, toks, num_logits in items:
             n = len(toks)
             tokens.extend(toks)
@@ -134,23 +154,54 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             starts.append(starts[-1] + n)
             ctx_lens.append(start + n)
-            max_blocks = max(max_blocks, len(table))
+            tables.extend(table)
+            tables.extend([0] * (max_blocks - len(table)))
             logit_rows.extend(range(starts[-1] - num_logits, starts[-1]))
-        tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
-        for i, (table, *_) in enumerate(items):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        header = [FORWARD, len(items), len(tokens), max_blocks, len(logit_rows), len(copies)]
+        payload = torch.tensor([*tokens, *positions, *slots, *starts, *ctx_lens, *tables, *logit_rows,
+                                *(s for s, _ in copies), *(d for _, d in copies)], dtype=torch.long)
+        if self.shard.size > 1:
+            dist.broadcast(torch.tensor(header), src=0, group=self.control)
+            dist.broadcast(payload, src=0, group=self.control)
+        return self._run(header, payload)
+
+    def serve_forever(self) -> None:
+        """A worker rank: run every step rank 0 broadcasts, until it says stop."""
+        while True:
+            header = torch.empty(HEADER, dtype=torch.long)
+            dist.broadcast(header, src=0, group=self.control)
+            header = header.tolist()
+            if header[0] == STOP:
+                return
+            _, items, tokens, max_blocks, logits, copies = header
+            payload = torch.empty(3 * tokens + 2 * items + 1 + items * max_blocks + logits + 2 * copies,
+                                  dtype=torch.long)
+            dist.broadcast(payload, src=0, group=self.control)
+            self._run(header, payload)
+
+    def stop_workers(self) -> None:
+        if self.shard.size > 1 and self.shard.rank == 0:
+            dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1)), src=0, group=self.control)
+
+    @torch.inference_mode()
+    def _run(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
+        _, n_items, n_tokens, max_blocks, n_logits, n_copies = header
+        tokens, positions, slots, starts, ctx_lens, tables, logit_rows, src, dst = payload.split(
+            [n_tokens, n_tokens, n_tokens, n_items + 1, n_items, n_items * max_blocks, n_logits, n_copies, n_copies])
         to_dev = self._to_device
+        if n_copies:
+            self._copy_blocks(to_dev(src), to_dev(dst))
+        starts_list, ctx_list = starts.tolist(), ctx_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=to_dev(torch.tensor(slots, dtype=torch.long)),
-            block_tables=to_dev(tables),
-            query_start_loc=to_dev(torch.tensor(starts, dtype=torch.int32)),
-            context_lens=to_dev(torch.tensor(ctx_lens, dtype=torch.int32)),
-            query_lens=[len(toks) for _, _, toks, _ in items],
-            context_lens_list=ctx_lens,
+            slot_mapping=to_dev(slots),
+            block_tables=to_dev(tables.view(n_items, max_blocks).to(torch.int32)),
+            query_start_loc=to_dev(starts.to(torch.int32)),
+            context_lens=to_dev(ctx_lens.to(torch.int32)),
+            query_lens=[b - a for a, b in zip(starts_list, starts_list[1:])],
+            context_lens_list=ctx_list,
         )
-        hidden = self.model(to_dev(torch.tensor(tokens)), to_dev(torch.tensor(positions)),
-                            self.kv_caches, meta, self.backend)
-        return self.model.compute_logits(hidden[to_dev(torch.tensor(logit_rows, dtype=torch.long))])
+        hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
+        return self.model.compute_logits(hidden[to_dev(logit_rows)])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model's device: from pinned memory without blocking on a GPU (the copy overlaps the

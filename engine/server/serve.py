@@ -2,7 +2,8 @@
 
 Drain (DESIGN.md): /health turns 503 at once, new generation requests get 503 + Retry-After, accepted requests
 finish or are aborted at --drain-timeout (clients get a final chunk with finish_reason "abort"), then exit 0.
-A second SIGTERM or SIGINT exits at once.
+A second SIGTERM or SIGINT exits at once. A dead engine (its loop raised, e.g. a tensor-parallel worker died) makes
+/health 503 and the process exit 1 a moment later, so Kubernetes restarts it.
 """
 
 from __future__ import annotations
@@ -74,12 +75,24 @@ async def _serve(config: EngineConfig) -> int:
         engine.stat_listeners.append(RequestLogger(engine.served_model_name, config.enable_log_prompts))
     state.engine = AsyncEngine(engine)
     log.info("ready: serving %s on http://%s:%d", engine.served_model_name, config.host, config.port)
+    watching = asyncio.ensure_future(exit_when_dead(state, server))
     await serving
+    watching.cancel()
     if drain_task is not None:
         await drain_task
     state.engine.shutdown()
+    if state.engine.dead is not None:
+        log.error("exiting with status 1: the engine is dead (%s)", state.engine.dead)
+        return 1
     log.info("exited cleanly")
     return 0
+
+
+async def exit_when_dead(state: ServerState, server: uvicorn.Server) -> None:
+    while state.engine.dead is None:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)  # open streams get their error event, probes see 503
+    server.should_exit = True
 
 
 async def drain(state: ServerState, server: uvicorn.Server) -> None:
