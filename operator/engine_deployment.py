@@ -54,6 +54,7 @@ def engine_args(spec: LLMDeploymentSpec) -> list[str]:
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": e.max_num_batched_tokens,
         "block_size": e.block_size,
+        "tensor_parallel_size": e.tensor_parallel_size if e.tensor_parallel_size > 1 else None,
         "enable_prefix_caching": e.enable_prefix_caching,
         "drain_timeout": spec.drain.timeout_seconds,
     }) + list(e.extra_args)

@@ -72,9 +72,6 @@ class ReconcileResult:
 def check_servable(core: client.CoreV1Api, namespace: str, spec: LLMDeploymentSpec) -> list[tuple[str, str]]:
     """What the schema cannot see but keeps the spec from running: (reason, message) pairs."""
     problems = []
-    if spec.engine.tensor_parallel_size > 1:
-        problems.append(("Unsupported", f"engine.tensorParallelSize={spec.engine.tensor_parallel_size}: this engine "
-                                        "version runs one GPU per replica; set 1"))
     ref = spec.auth.api_key_secret_ref
     if ref:
         try:

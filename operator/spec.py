@@ -69,7 +69,7 @@ class ModelSpec(_Spec):
 
 class EngineSpec(_Spec):
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
-    tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over")
+    tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over (--tensor-parallel-size)")
     # Defaults and ranges are the engine's own (engine_flags.json); block sizes are those every backend runs.
     gpu_memory_utilization: float = Field(flags.default("gpu_memory_utilization"),
                                           gt=flags.bound("gpu_memory_utilization", "exclusiveMinimum"),

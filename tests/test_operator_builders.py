@@ -154,6 +154,17 @@ def test_engine_deployment_follows_spec():
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
 
 
+def test_tensor_parallel_renders_the_flag_the_gpus_and_a_memory_backed_shm():
+    spec = spec_of(engine={"tensorParallelSize": 2}, resources={"gpu": 2})
+    pod = build_engine_deployment("m", "ns", spec)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]  # NCCL outgrows the default 64M
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert "--tensor-parallel-size" not in engine_args(spec_of())  # 1: the engine's default, not rendered
+
+
 def test_hf_source_downloads_in_an_init_container_and_cpu_only_has_no_gpu():
     spec = spec_of(model={"name": "m", "source": "hf://org/repo", "revision": "v2"}, resources={"gpu": 0})
     pod = build_engine_deployment("m", "ns", spec)["spec"]["template"]["spec"]
