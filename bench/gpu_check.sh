@@ -29,10 +29,15 @@ step parity_float32 90 "$PY" bench/gpu_parity.py --device cuda --dtype float32 -
 step parity_bfloat16 90 "$PY" bench/gpu_parity.py --device cuda --dtype bfloat16 --out "$OUT/parity-bfloat16.json"
 step gpu_kernels 90 "$PY" bench/gpu_kernels.py
 step serve_sweep 150 "$PY" bench/serve_bench.py --requests 128 --max-tokens 64 --concurrency 1 32 128 --out "$OUT/serve"
+STEPS="kernel_tests parity_float32 parity_bfloat16 gpu_kernels serve_sweep"
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then  # tensor parallelism over NCCL: greedy == 1 GPU, comm cost
+  step tp2 120 "$PY" bench/tp_comm.py --tiny --tp 2 --batch 32 --max-tokens 32
+  STEPS="$STEPS tp2"
+fi
 {
   echo "{"
   first=1
-  for name in kernel_tests parity_float32 parity_bfloat16 gpu_kernels serve_sweep; do
+  for name in $STEPS; do
     [ $first = 1 ] || echo ","
     first=0
     printf '  "%s": {"rc": %s, "seconds": %s}' "$name" "${RC[$name]}" "${SECS[$name]}"

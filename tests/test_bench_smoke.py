@@ -27,3 +27,11 @@ def test_spec_decode_benchmark_smoke():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| copy-heavy", "| free chat"))]
     assert len(rows) == 2 and all("x |" in line for line in rows)
+
+
+def test_tensor_parallel_comm_benchmark_smoke():
+    """Also checks TP=2 greedy output equals one rank's on the tiny model (the script asserts it)."""
+    out = subprocess.run([sys.executable, str(REPO / "bench/tp_comm.py"), "--tiny", "--tp", "2", "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "greedy output equals one rank's: yes" in out.stdout and "| all_reduce |" in out.stdout
