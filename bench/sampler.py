@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.legacy_sampler import LegacySampler  # noqa: E402
+from bench.plotting import pyplot  # noqa: E402
 from pagekube.engine.sampler import Sampler  # noqa: E402
 from pagekube.engine.sampling_params import SamplingParams  # noqa: E402
 from pagekube.engine.sequence import Request  # noqa: E402
@@ -118,13 +119,8 @@ def main() -> int:
 
 def plot(results: list[dict], path: Path) -> None:
     """ms per sampler call against batch size: old and new, per vocabulary and workload (needs pagekube[bench])."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing (pip install -e '.[bench]'): no plot")
+    plt = pyplot()
+    if plt is None:
         return
     vocabs = sorted({r["vocab"] for r in results})
     fig, axes = plt.subplots(1, len(vocabs), figsize=(5.5 * len(vocabs), 4), squeeze=False)

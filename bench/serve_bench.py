@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.plotting import pyplot  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402  (the same launcher the tests use)
 
 WORDS = ("cluster node pod service model token latency queue replica request stream cache block prefix batch "
@@ -108,13 +109,8 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     server = [r for r in rows if "ttft_p50" in r]
     conc = [r["concurrency"] for r in server]

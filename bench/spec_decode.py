@@ -16,6 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.plotting import pyplot  # noqa: E402
+
 PASSAGES = [
     "Kubernetes schedules pods onto nodes. Each pod gets its own IP address, and containers in a pod share it. "
     "Services give a set of pods one stable name, and the kube-proxy routes traffic to whichever pod is ready.",
@@ -60,13 +64,8 @@ def run(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     labels = [f"{r['workload']}\nbatch {r['batch']}" for r in rows]
     fig, ax = plt.subplots(figsize=(8, 3.6))
