@@ -17,7 +17,7 @@ import time
 
 import uvicorn
 
-from pagekube.engine.async_engine import AsyncEngine
+from pagekube.engine.async_engine import AsyncEngine, EngineThread
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.server.app import ServerState, create_app
 from pagekube.engine.server.metrics import EngineMetrics
@@ -62,7 +62,8 @@ async def _serve(config: EngineConfig) -> int:
     try:
         from pagekube.engine.llm_engine import LLMEngine  # torch import + model load: after we listen
 
-        engine = await asyncio.to_thread(LLMEngine, config)
+        engine_thread = EngineThread()  # loads the model, then steps it
+        engine = await asyncio.wrap_future(engine_thread.submit(LLMEngine, config))
     except Exception:
         log.exception("model load failed")
         server.should_exit = True
@@ -73,7 +74,7 @@ async def _serve(config: EngineConfig) -> int:
     engine.stat_listeners.append(state.metrics)
     if not config.disable_log_requests:
         engine.stat_listeners.append(RequestLogger(engine.served_model_name, config.enable_log_prompts))
-    state.engine = AsyncEngine(engine)
+    state.engine = AsyncEngine(engine, engine_thread)
     log.info("ready: serving %s on http://%s:%d", engine.served_model_name, config.host, config.port)
     watching = asyncio.ensure_future(exit_when_dead(state, server))
     await serving
