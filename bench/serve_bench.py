@@ -61,10 +61,12 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "
 
 
 async def run_client(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
-                     response_format: dict | None = None) -> dict:
+                     response_format: dict | None = None, max_retries: int = 0) -> dict:
+    """`max_retries`: connection-level retries (llama-server closes a keep-alive connection after a few requests,
+    and a request sent on it as it closes never got an answer)."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=max_retries, timeout=600)
     sem = asyncio.Semaphore(concurrency)
     ttfts, itls, tokens = [], [], 0
     extra = {"ignore_eos": True} | ({"response_format": response_format} if response_format else {})

@@ -35,3 +35,12 @@ def test_tensor_parallel_comm_benchmark_smoke():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "greedy output equals one rank's: yes" in out.stdout and "| all_reduce |" in out.stdout
+
+
+def test_peer_benchmark_smoke():
+    """pagekube serve (and llama.cpp's llama-server where bench/build_llama_server.sh already built it) on the same
+    token-id prompts; the script asserts every stream's exact output token count."""
+    out = subprocess.run([sys.executable, str(REPO / "bench/peer_bench.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert any(line.startswith("| pagekube | ") for line in out.stdout.splitlines()), out.stdout
