@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.plotting import pyplot  # noqa: E402
+from bench.plotting import pyplot, save  # noqa: E402
 from bench.serve_bench import WORDS, run_client  # noqa: E402
 from tests.server_process import ServerProcess, free_port  # noqa: E402
 
@@ -138,9 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[1].set(title="inter-token latency p99 (ms)", xlabel="concurrent users", xscale="log")
     for ax in axes:
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 def main() -> None:

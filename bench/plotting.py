@@ -15,3 +15,9 @@ def pyplot():
         print("matplotlib not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
         return None
     return plt
+
+
+def save(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")

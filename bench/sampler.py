@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.legacy_sampler import LegacySampler  # noqa: E402
-from bench.plotting import pyplot  # noqa: E402
+from bench.plotting import pyplot, save  # noqa: E402
 from pagekube.engine.sampler import Sampler  # noqa: E402
 from pagekube.engine.sampling_params import SamplingParams  # noqa: E402
 from pagekube.engine.sequence import Request  # noqa: E402
@@ -136,9 +136,7 @@ def plot(results: list[dict], path: Path) -> None:
                title=f"sampler, vocabulary {vocab:,}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.plotting import pyplot  # noqa: E402
+from bench.plotting import pyplot, save  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402  (the same launcher the tests use)
 
 WORDS = ("cluster node pod service model token latency queue replica request stream cache block prefix batch "
@@ -128,9 +128,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot(conc, [r[f"{key}_p99"] * 1e3 for r in server], "s--", label="p99")
         ax.set(title=title, xlabel="concurrency", xscale="log")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 def structured_cost(url: str, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[dict]:

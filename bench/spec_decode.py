@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.plotting import pyplot  # noqa: E402
+from bench.plotting import pyplot, save  # noqa: E402
 
 PASSAGES = [
     "Kubernetes schedules pods onto nodes. Each pod gets its own IP address, and containers in a pod share it. "
@@ -77,9 +77,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set(ylabel="output tokens/s", title="Speculative decoding (n-gram) vs plain, greedy, CPU")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save(fig, path)
 
 
 def main() -> None:
