@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import threading
@@ -42,7 +43,11 @@ ENGINE_ARGS = ["--max-num-seqs", "4", "--kv-cache-memory", str(64 * 1024**2), "-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     d = tmp_path_factory.mktemp("engines")
-    procs = [ServerProcess(*ENGINE_ARGS, "--served-model-name", SPEC.model.name, log_path=d / f"engine{i}.log") for i in range(2)]
+    # Two engines share this machine's 2 cores: one OpenMP thread each, as on a node where each pod has its cores
+    # (two 2-thread teams spinning on 2 cores starve each other: the drain then outlasts its timeout).
+    one_core = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [ServerProcess(*ENGINE_ARGS, "--served-model-name", SPEC.model.name, log_path=d / f"engine{i}.log",
+                           env=one_core) for i in range(2)]
     try:
         for p in procs:
             p.wait_ready()
