@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -27,18 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plotting import pyplot, save  # noqa: E402
 from bench.serve_bench import WORDS, run_client  # noqa: E402
+from pagekube.engine.model_files import BUNDLED_NAME, bundled_model_file, resolve_model_dir  # noqa: E402
 from tests.server_process import ServerProcess, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def token_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    """n prompts of exactly `length` token ids (the bundled model's tokenizer; both servers share its vocabulary)."""
+@functools.cache
+def bundled_tokenizer():
     from transformers import AutoTokenizer
 
-    from pagekube.engine.model_files import resolve_model_dir
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+def token_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of exactly `length` token ids (the bundled model's tokenizer; both servers share its vocabulary)."""
+    tok = bundled_tokenizer()
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
@@ -93,7 +98,7 @@ class LlamaServer:
 
 def measure(name: str, url: str, prompts, max_tokens: int, concurrency: int, max_load: float) -> dict:
     load = wait_idle(max_load)
-    row = asyncio.run(run_client(url, "SmolLM2-135M-Instruct", prompts, max_tokens, concurrency, max_retries=2))
+    row = asyncio.run(run_client(url, BUNDLED_NAME, prompts, max_tokens, concurrency, max_retries=2))
     expected = len(prompts) * max_tokens
     assert row["tokens"] == expected, f"{name}: {row['tokens']} output tokens, expected {expected}"
     row.update(mode=name, load_before=load)
@@ -148,13 +153,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-load", type=float, default=0.6, help="wait for a 1-minute load average below this")
     ap.add_argument("--llama-server", default=None, help="binary (default: the one build_llama_server.sh cached)")
-    ap.add_argument("--pagekube-args", default="", help="extra `pagekube serve` flags, e.g. '--enforce-eager'")
+    ap.add_argument("--pagekube-args", default="", help="extra `pagekube serve` flags, e.g. '--dtype bfloat16'")
     ap.add_argument("--out", default="docs/bench_peer", help="prefix for the .json results and the .png plot")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (a check that the script works)")
     args = ap.parse_args()
     if args.smoke:
         args.concurrency, args.prompt_tokens, args.max_tokens, args.max_load = [2], 16, 8, 100.0
-    from pagekube.engine.model_files import bundled_model_file
 
     binary = args.llama_server
     if binary is None:
@@ -163,7 +167,7 @@ def main() -> None:
         binary = built.stdout.strip() or None
     top = max(args.concurrency)
     servers = {"pagekube": ServerProcess("--max-num-seqs", str(top), "--disable-log-requests",
-                                         "--served-model-name", "SmolLM2-135M-Instruct", *args.pagekube_args.split())}
+                                         *args.pagekube_args.split())}
     if binary:
         servers["llama.cpp"] = LlamaServer(binary, bundled_model_file(), top, args.prompt_tokens + args.max_tokens + 16)
     else:
@@ -172,8 +176,9 @@ def main() -> None:
     try:
         for srv in servers.values():
             srv.wait_ready()
-        for name, srv in servers.items():  # warm-up: first requests pay one-time costs on both
-            measure(name, srv.url, token_prompts(2, args.prompt_tokens, seed=99), 4, 2, 100.0)
+        warm_up = token_prompts(2, args.prompt_tokens, seed=99)
+        for name, srv in servers.items():  # first requests pay one-time costs on both
+            measure(name, srv.url, warm_up, 4, 2, 100.0)
         for i, c in enumerate(args.concurrency):
             prompts = token_prompts(max(8, 2 * c) if not args.smoke else 2, args.prompt_tokens, seed=c)
             order = list(servers) if i % 2 == 0 else list(reversed(servers))

@@ -64,7 +64,9 @@ class RequestStream:
 class EngineThread:
     """The one (daemon) thread on which the server's torch work runs: it loads the model, then steps it. Torch's
     OpenMP team belongs to the thread that first ran parallel work; stepping on another thread than the one that
-    loaded the model made every step 2.3x slower on 2 cores (a second team whose workers are not kept warm)."""
+    loaded the model made every step 2.3x slower on 2 cores (a second team whose workers are not kept warm).
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, and a loop stuck in a dead rank's
+    collective would then keep the server from exiting."""
 
     def __init__(self):
         self._jobs: queue.Queue = queue.Queue()
