@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from kubernetes.utils import parse_quantity
+
 from pagekube.operator import engine_flags, naming
 from pagekube.operator.rollout import deployment_strategy
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -77,8 +79,17 @@ def _user_env(spec: LLMDeploymentSpec) -> list[dict]:
     return [e.model_dump(by_alias=True, exclude_none=True) for e in spec.engine.env]
 
 
+def cpu_threads(cpu: str) -> int:
+    """Threads that fit a CPU limit ('500m' -> 1, '2.5' -> 3). torch otherwise starts one OpenMP thread per core of
+    the node, and threads beyond the CFS quota spin and get throttled: a CPU engine then runs several times slower."""
+    return max(1, math.ceil(parse_quantity(cpu)))
+
+
 def _env(spec: LLMDeploymentSpec) -> list[dict]:
     env = _user_env(spec)
+    cpu = spec.resources.cpu
+    if cpu and not any(e["name"] == "OMP_NUM_THREADS" for e in env):  # engine.env wins
+        env.append({"name": "OMP_NUM_THREADS", "value": str(cpu_threads(cpu))})
     ref = spec.auth.api_key_secret_ref
     if ref:
         env.append({"name": "PAGEKUBE_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})

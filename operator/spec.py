@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from kubernetes.utils import parse_quantity
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from pagekube.operator import engine_flags as flags
@@ -88,6 +89,17 @@ class ResourcesSpec(_Spec):
     gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1)
     cpu: str | None = Field(None, pattern=QUANTITY, description="CPU request and limit, e.g. '8'")
     memory: str | None = Field(None, pattern=QUANTITY, description="Memory request and limit, e.g. '64Gi'")
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _a_real_quantity(cls, value: str | None) -> str | None:
+        """The schema's pattern lets through strings like '1.2.3' that Kubernetes refuses: catch them here."""
+        if value is not None:
+            try:
+                parse_quantity(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a Kubernetes quantity") from None
+        return value
 
 
 class ActivatorSpec(_Spec):

@@ -172,6 +172,24 @@ def test_hf_source_downloads_in_an_init_container_and_cpu_only_has_no_gpu():
     assert init["command"][-3:] == ["org/repo", "v2", "/models/model"]
     assert pod["containers"][0]["resources"] == {}
     assert engine_args(spec)[:1] == ["/models/model"] and "--device" in engine_args(spec)
+    assert not any(e["name"] == "OMP_NUM_THREADS" for e in init["env"] + pod["containers"][0]["env"])
+
+
+@pytest.mark.parametrize("cpu, threads", [("8", 8), ("500m", 1), ("2.5", 3), ("1500m", 2)])
+def test_a_cpu_limit_sets_the_engine_threads_to_fit_it(cpu, threads):
+    c = build_engine_deployment("m", "ns", spec_of(resources={"gpu": 0, "cpu": cpu}))["spec"]["template"]["spec"]
+    assert {"name": "OMP_NUM_THREADS", "value": str(threads)} in c["containers"][0]["env"]
+
+
+def test_a_cpu_that_matches_the_pattern_but_is_no_quantity_is_refused():
+    with pytest.raises(ValidationError, match="not a Kubernetes quantity"):
+        spec_of(resources={"gpu": 0, "cpu": "1.2.3"})
+
+
+def test_engine_env_overrides_the_threads_from_the_cpu_limit():
+    spec = spec_of(resources={"gpu": 0, "cpu": "4"}, engine={"env": [{"name": "OMP_NUM_THREADS", "value": "2"}]})
+    env = build_engine_deployment("m", "ns", spec)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e for e in env if e["name"] == "OMP_NUM_THREADS"] == [{"name": "OMP_NUM_THREADS", "value": "2"}]
 
 
 def test_s3_source_syncs_in_an_aws_cli_init_container():
