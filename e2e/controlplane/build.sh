@@ -7,7 +7,8 @@
 # Output (stdout): KEY=path lines, for `eval` or for the pytest fixtures.
 set -euo pipefail
 cd "$(dirname "$0")"
-K8S=v1.35.4 ETCD=v3.6.5 KEDA=v2.21.0 PROM_OP=v0.85.0 KUBECTL_LAYER=2.2.2
+. ./k8s-version.sh
+ETCD=v3.6.5 KEDA=v2.21.0 PROM_OP=v0.85.0 KUBECTL_LAYER=2.2.2
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 BIN=$CACHE/controlplane/k8s-$K8S-etcd-$ETCD
 TOOLS=$CACHE/tools/kubectl-layer-v35-$KUBECTL_LAYER
@@ -17,10 +18,8 @@ log() { echo "[controlplane] $*" >&2; }
 if [ ! -x "$BIN/kube-controller-manager" ]; then
   log "building etcd $ETCD, kube-apiserver and kube-controller-manager $K8S into $BIN (several minutes, once)"
   start=$SECONDS
-  v=${K8S#v}; ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S -X k8s.io/component-base/version.gitMajor=${v%%.*}"
-  ldflags="$ldflags -X k8s.io/component-base/version.gitMinor=$(echo "$v" | cut -d. -f2) -X k8s.io/component-base/version.gitTreeState=clean"
   mkdir -p "$BIN.tmp"
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN.tmp/" ./etcd \
+  CGO_ENABLED=0 go build -trimpath -ldflags "$(k8s_ldflags)" -o "$BIN.tmp/" ./etcd \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
   rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
   log "built in $((SECONDS - start)) s"

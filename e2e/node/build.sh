@@ -6,7 +6,8 @@
 # Output (stdout): KEY=path lines, like e2e/controlplane/build.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../controlplane"
-K8S=v1.35.4 COREDNS=v1.14.7
+. ./k8s-version.sh
+COREDNS=v1.14.7
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 BIN=$CACHE/node/k8s-$K8S-coredns-$COREDNS
 log() { echo "[node] $*" >&2; }
@@ -14,10 +15,8 @@ log() { echo "[node] $*" >&2; }
 if [ ! -x "$BIN/coredns" ]; then
   log "building kubelet, kube-scheduler, kube-proxy $K8S and CoreDNS $COREDNS into $BIN (several minutes, once)"
   start=$SECONDS
-  v=${K8S#v}; ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S -X k8s.io/component-base/version.gitMajor=${v%%.*}"
-  ldflags="$ldflags -X k8s.io/component-base/version.gitMinor=$(echo "$v" | cut -d. -f2) -X k8s.io/component-base/version.gitTreeState=clean"
   mkdir -p "$BIN.tmp"
-  CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$BIN.tmp/" \
+  CGO_ENABLED=0 go build -trimpath -ldflags "$(k8s_ldflags)" -o "$BIN.tmp/" \
     k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-proxy
   log "kubelet, kube-scheduler, kube-proxy built in $((SECONDS - start)) s"
   CGO_ENABLED=0 GOBIN="$BIN.tmp" GOFLAGS=-buildvcs=false go install -trimpath -ldflags '-s -w' "github.com/coredns/coredns@$COREDNS"
