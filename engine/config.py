@@ -20,7 +20,8 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Name the API serves the model under (default: derived from the model path)")
     tokenizer: str | None = Field(None, description="Tokenizer directory, if not the model's own")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and activations dtype; auto = bfloat16 on GPU, float32 on CPU"
+        "auto", description="Weights and activations dtype; auto = bfloat16 on GPUs and on CPUs with AVX512_BF16, "
+        "float32 on other CPUs"
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to run the model")
     attention_backend: Literal["auto", "torch", "triton"] = Field(

@@ -18,6 +18,7 @@ from pagekube.engine.model import AttentionMetadata
 from pagekube.engine.model_loader import load_model
 from pagekube.engine.scheduler import ScheduledBatch
 from pagekube.engine.tensor_parallel import TPShard
+from pagekube.kernels.cpu_linear import cpu_supports_bf16_dot, load_bf16_kernel
 
 FORWARD, STOP = 1, 2  # packet commands, rank 0 -> workers
 HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies
@@ -35,8 +36,10 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on GPUs and on CPUs with native bf16 dot products (AVX512_BF16, as vLLM's CPU backend
+    chooses), float32 on other CPUs, where bf16 arithmetic is emulated and slower."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or cpu_supports_bf16_dot() else torch.float32
     return DTYPES[name]
 
 
@@ -61,6 +64,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.backend = make_backend(config.attention_backend, self.device, self.block_size, self.dtype)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            load_bf16_kernel()  # built once per machine; torch's linear where it cannot be
         self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)

@@ -84,3 +84,15 @@ def write_tiny_llama(path: Path, bundled_dir: Path, *, tie: bool = False, seed: 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory, bundled_dir) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), bundled_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_factory(tiny_dir):
+    """Engines on the tiny model in float32: tests that compare outputs across batch shapes (preemption, forks)
+    need exact arithmetic, and bf16 rounding depends on which rows share a GEMM."""
+    from pagekube.engine.config import EngineConfig
+    from pagekube.engine.llm_engine import LLMEngine
+
+    def make(**kw):
+        return LLMEngine(EngineConfig(model=str(tiny_dir), **{"dtype": "float32", **kw}))
+    return make

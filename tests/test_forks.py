@@ -8,16 +8,8 @@ import pytest
 
 from pagekube.engine import SamplingParams
 from pagekube.engine.block_manager import BlockManager
-from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.engine.sequence import Request
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_factory(tiny_dir):
-    def make(**kw):
-        return LLMEngine(EngineConfig(model=str(tiny_dir), **kw))
-    return make
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[list[int]]]:

@@ -8,7 +8,6 @@ import pytest
 
 from pagekube.engine import SamplingParams
 from pagekube.engine.block_manager import BlockManager
-from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine, RequestRejected
 from pagekube.engine.scheduler import Scheduler
 from pagekube.engine.sequence import Request
@@ -73,13 +72,6 @@ def test_newest_running_sequence_is_preempted_and_requeued_first():
     assert sched.num_preemptions >= 1
     assert new.request.num_preemptions >= 1 and old.request.num_preemptions == 0
     assert new in sched.waiting and new.num_computed_tokens == 0 and new.block_table == []
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_factory(tiny_dir):
-    def make(**kw):
-        return LLMEngine(EngineConfig(model=str(tiny_dir), **kw))
-    return make
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

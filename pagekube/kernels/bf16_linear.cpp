@@ -1,0 +1,74 @@
+// Small-batch bf16 linear for CPUs with AVX512_BF16: y = x @ w.T (+ bias), bf16 in and out, float accumulation.
+// A decode step multiplies a few token rows by every weight matrix, so its cost is reading the weights. Each weight
+// row is read once and dotted with every row of x (x stays in L1); at M <= 8 this reads the weights faster than
+// torch's bf16 GEMM does (docs/benchmarks.md). Built on first use by pagekube/kernels/cpu_linear.py, which falls
+// back to F.linear (also the reference in the tests).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+namespace {
+
+// One weight row against MB rows of x. MB is a compile-time size so the loops unroll and the accumulators stay in
+// registers; one weight row at a time measured faster than several (more concurrent streams per thread read slower).
+template <int MB>
+void row(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t N,
+         int64_t n, int64_t m) {
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  const uint16_t* wr = w + n * K;
+  const int64_t full = K / 32 * 32;
+  for (int64_t k = 0; k < full; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+    for (int i = 0; i < MB; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(x + (m + i) * K + k), wv);
+  }
+  if (full < K) {  // masked loads for the last K % 32 columns
+    const __mmask32 mask = (__mmask32)((1u << (K - full)) - 1);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + full);
+    for (int i = 0; i < MB; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m + i) * K + full), wv);
+  }
+  const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+  for (int i = 0; i < MB; ++i) y[(m + i) * N + n] = at::BFloat16(_mm512_reduce_add_ps(acc[i]) + b);
+}
+
+template <int MB>
+void rows(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t N,
+          int64_t n0, int64_t n1, int64_t m) {
+  for (int64_t n = n0; n < n1; ++n) row<MB>(x, w, bias, y, K, N, n, m);
+}
+
+at::Tensor bf16_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_opt) {
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16_linear: bf16 only");
+  TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && input.size(1) == weight.size(1), "bf16_linear: shapes");
+  const at::Tensor x = input.contiguous(), w = weight.contiguous();
+  const at::Tensor bias = bias_opt.has_value() ? bias_opt->contiguous() : at::Tensor();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
+  const at::BFloat16* bp = bias.defined() ? bias.const_data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // Threads split the weight rows (torch's pool, so torch.set_num_threads applies); x is read by all of them.
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) rows<8>(xp, wp, bp, yp, K, N, n0, n1, m);
+    switch (M - m) {
+      case 7: rows<7>(xp, wp, bp, yp, K, N, n0, n1, m); break;
+      case 6: rows<6>(xp, wp, bp, yp, K, N, n0, n1, m); break;
+      case 5: rows<5>(xp, wp, bp, yp, K, N, n0, n1, m); break;
+      case 4: rows<4>(xp, wp, bp, yp, K, N, n0, n1, m); break;
+      case 3: rows<3>(xp, wp, bp, yp, K, N, n0, n1, m); break;
+      case 2: rows<2>(xp, wp, bp, yp, K, N, n0, n1, m); break;
+      case 1: rows<1>(xp, wp, bp, yp, K, N, n0, n1, m); break;
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagekube_cpu, m) { m.def("bf16_linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(pagekube_cpu, CPU, m) { m.impl("bf16_linear", &bf16_linear); }
