@@ -5,7 +5,8 @@
 Workload (seeded): prompts of 32-512 random tokens, output lengths 16..--max-output, ignore_eos. HF static
 batching: batches of 32 in arrival order, left-padded, each batch generating until its longest request is done
 (only the requested tokens count as output). pagekube: all requests at once, --max-num-seqs 32. Batch 1: a few
-requests one at a time through both. Each mode runs in its own process, so peak RSS is its own.
+requests one at a time through both. Each mode runs in its own process, so peak RSS is its own. Both run the same
+precision: --dtype (default auto, the engine's default on this machine: bf16 on CPUs with AVX512_BF16).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.plotting import pyplot, save  # noqa: E402
+
 
 def workload(n: int, max_output: int, seed: int = 0):
     rng = random.Random(seed)
@@ -31,23 +36,32 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def kv_bytes_for(batch: int, max_len: int) -> int:
-    """A float32 KV pool that holds `batch` sequences of `max_len` tokens, so the engine never preempts: HF's own
-    cache grows to that size too (its peak RSS shows it)."""
+def resolved_dtype(name: str):
+    import torch
+
+    from pagekube.engine.model_runner import resolve_dtype
+
+    return resolve_dtype(name, torch.device("cpu"))
+
+
+def kv_bytes_for(batch: int, max_len: int, dtype) -> int:
+    """A KV pool that holds `batch` sequences of `max_len` tokens, so the engine never preempts: HF's own cache
+    grows to that size too (its peak RSS shows it)."""
     from transformers import AutoConfig
 
     from pagekube.engine.model_files import resolve_model_dir
 
     c = AutoConfig.from_pretrained(resolve_model_dir(None))
+    max_len = -(-max_len // 16) * 16  # whole blocks (the default block size)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return batch * max_len * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4
+    return batch * max_len * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * dtype.itemsize
 
 
-def run_pagekube(prompts, outputs, batch: int) -> dict:
+def run_pagekube(prompts, outputs, batch: int, dtype: str) -> dict:
     from pagekube.engine import LLM, SamplingParams
 
-    kv_bytes = kv_bytes_for(batch, max(len(p) for p in prompts) + max(outputs))
-    llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=4096, kv_cache_memory=kv_bytes)
+    kv_bytes = kv_bytes_for(batch, max(len(p) for p in prompts) + max(outputs), resolved_dtype(dtype))
+    llm = LLM(None, max_num_seqs=batch, max_num_batched_tokens=4096, kv_cache_memory=kv_bytes, dtype=dtype)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -59,14 +73,14 @@ def run_pagekube(prompts, outputs, batch: int) -> dict:
     return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "wall_s": wall}
 
 
-def run_hf(prompts, outputs, batch: int) -> dict:
+def run_hf(prompts, outputs, batch: int, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from pagekube.engine.model_files import resolve_model_dir
 
     path = resolve_model_dir(None)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype(dtype)).eval()
     pad = 2
     start = time.perf_counter()
     tokens = 0
@@ -87,17 +101,15 @@ def child(args) -> None:
     prompts, outputs = workload(args.requests, args.max_output)
     if args.batch == 1:
         prompts, outputs = prompts[: args.single], outputs[: args.single]
-    result = (run_hf if args.mode == "hf" else run_pagekube)(prompts, outputs, args.batch)
+    result = (run_hf if args.mode == "hf" else run_pagekube)(prompts, outputs, args.batch, args.dtype)
     result.update(mode=args.mode, batch=args.batch, tok_s=result["tokens"] / result["wall_s"], peak_rss_mb=peak_rss_mb())
     print("RESULT " + json.dumps(result))
 
 
-def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows, path: Path, dtype: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(6, 3.6))
     labels = [f"batch {b}" for b in sorted({r["batch"] for r in rows})]
     for k, mode in enumerate(("hf", "pagekube")):
@@ -106,10 +118,9 @@ def plot(rows, path: Path) -> None:
         ax.bar([x + k * 0.38 for x in range(len(labels))], vals, 0.38,
                label="HF transformers (static batching)" if mode == "hf" else "pagekube (continuous batching)")
     ax.set_xticks([x + 0.19 for x in range(len(labels))], labels)
-    ax.set(ylabel="output tokens/s", title="SmolLM2-135M, CPU (2 cores), float32")
+    ax.set(ylabel="output tokens/s", title=f"SmolLM2-135M, CPU (2 cores), {dtype}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def main() -> None:
@@ -118,6 +129,7 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=512)
     ap.add_argument("--single", type=int, default=4, help="requests for the batch-1 comparison")
     ap.add_argument("--out", default="docs/bench_offline")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="for both (default: the engine's)")
     ap.add_argument("--mode", choices=["hf", "pagekube"], help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -127,7 +139,7 @@ def main() -> None:
     for batch in (32, 1):
         for mode in ("hf", "pagekube"):
             cmd = [sys.executable, __file__, "--mode", mode, "--batch", str(batch), "--requests", str(args.requests),
-                   "--max-output", str(args.max_output), "--single", str(args.single)]
+                   "--max-output", str(args.max_output), "--single", str(args.single), "--dtype", args.dtype]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(out.split("RESULT ", 1)[1]))
             print(rows[-1], flush=True)
@@ -140,7 +152,7 @@ def main() -> None:
         print(f"batch {batch}: pagekube / HF = {pk['tok_s'] / hf['tok_s']:.2f}x")
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2))
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), str(resolved_dtype(args.dtype)).removeprefix("torch."))
 
 
 if __name__ == "__main__":

@@ -44,3 +44,15 @@ def test_peer_benchmark_smoke():
                          text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert any(line.startswith("| pagekube | ") for line in out.stdout.splitlines()), out.stdout
+
+
+def test_offline_vs_hf_benchmark_smoke(tmp_path):
+    """Both sides produce the requested output tokens, each mode in its own process."""
+    out = subprocess.run([sys.executable, str(REPO / "bench/offline_vs_hf.py"), "--requests", "2", "--max-output", "17",
+                          "--single", "1", "--out", str(tmp_path / "offline")],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.startswith(("| 32 |", "| 1 |"))]
+    tokens = {(r[1].strip(), r[2].strip()): int(r[3]) for r in rows}
+    assert len(tokens) == 4 and tokens[("32", "hf")] == tokens[("32", "pagekube")] >= 32
+    assert tokens[("1", "hf")] == tokens[("1", "pagekube")] >= 16
