@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagekube.engine.model import AttentionMetadata
+from pagekube.kernels.cpu_ops import uses_decode_kernel
 from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 DECODE_GROUP = 8  # decode tokens per batched SDPA call on the CPU (bench/offline_vs_hf.py)
@@ -23,16 +24,44 @@ class TorchAttention:
         write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if uses_decode_kernel(q, k_cache):  # the CPU extension reads K/V in place
+            if meta.is_decode_only:
+                return torch.ops.pagekube_cpu.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                                                     meta.context_lens, scale)
+            if "torch_kernel" not in meta.derived:
+                meta.derived["torch_kernel"] = self._kernel_plan(meta)
+            decodes, prefills = meta.derived["torch_kernel"]
+            out = torch.empty_like(q)
+            if decodes is not None:
+                rows, seqs = decodes
+                out[rows] = torch.ops.pagekube_cpu.paged_decode_attention(
+                    q[rows], k_cache, v_cache, meta.block_tables[seqs], meta.context_lens[seqs], scale)
+            self._prefill(out, q, k_cache, v_cache, meta, prefills, scale)
+            return out
         if "torch" not in meta.derived:  # the plan is the same for every layer of a step
             meta.derived["torch"] = self._plan(meta, k_cache.shape[1])
         decode_groups, prefills = meta.derived["torch"]
         out = torch.empty_like(q)
         for rows, tables, mask in decode_groups:
             out[rows] = self._batched_decode(q[rows], k_cache, v_cache, tables, mask, scale)
+        self._prefill(out, q, k_cache, v_cache, meta, prefills, scale)
+        return out
+
+    @staticmethod
+    def _prefill(out, q, k_cache, v_cache, meta: AttentionMetadata, prefills, scale: float) -> None:
         for i, s, e in prefills:  # prefill chunks one by one (each its own causal shape)
             out[s:e] = paged_attention_ref(q[s:e], k_cache, v_cache, meta.block_tables[i:i + 1], [0, e - s],
                                            [meta.context_lens_list[i]], scale)
-        return out
+
+    @staticmethod
+    def _kernel_plan(meta: AttentionMetadata):
+        """A mixed step: the decode tokens' rows and sequences (one kernel call), and the prefill chunks."""
+        starts = meta.query_start_loc.tolist()
+        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        prefills = [(i, starts[i], starts[i + 1]) for i, n in enumerate(meta.query_lens) if n > 1]
+        device = meta.block_tables.device
+        rows = (torch.tensor([starts[i] for i in decodes], device=device), torch.tensor(decodes, device=device))
+        return (rows if decodes else None), prefills
 
     @staticmethod
     def _plan(meta: AttentionMetadata, block_size: int):

@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagekube.engine.tensor_parallel import TPShard, all_reduce, gather_logits
-from pagekube.kernels.cpu_linear import linear, uses_bf16_kernel
+from pagekube.kernels.cpu_ops import linear, uses_bf16_kernel
 
 
 @dataclass
@@ -58,7 +58,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.cpu_linear (a faster small-batch bf16 kernel on CPUs that have one)."""
+    """nn.Linear through kernels.cpu_ops (a faster small-batch bf16 kernel on CPUs that have one)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

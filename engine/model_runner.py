@@ -18,7 +18,7 @@ from pagekube.engine.model import AttentionMetadata
 from pagekube.engine.model_loader import load_model
 from pagekube.engine.scheduler import ScheduledBatch
 from pagekube.engine.tensor_parallel import TPShard
-from pagekube.kernels.cpu_linear import cpu_supports_bf16_dot, load_bf16_kernel
+from pagekube.kernels.cpu_ops import cpu_supports_bf16_dot, load_cpu_kernels
 
 FORWARD, STOP = 1, 2  # packet commands, rank 0 -> workers
 HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies
@@ -65,7 +65,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = make_backend(config.attention_backend, self.device, self.block_size, self.dtype)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            load_bf16_kernel()  # built once per machine; torch's linear where it cannot be
+            load_cpu_kernels()  # built once per machine; torch's ops where it cannot be
         self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)

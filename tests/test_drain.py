@@ -112,10 +112,10 @@ def test_full_queue_answers_429_with_retry_after_and_keeps_serving(make_server):
     srv = make_server("--max-num-seqs", "1", "--max-waiting-requests", "2")
     results, threads = [], []
     for _ in range(4):
-        t = threading.Thread(target=stream_completion, args=(srv.url, 60, results))
+        t = threading.Thread(target=stream_completion, args=(srv.url, 400, results))
         t.start()
         threads.append(t)
-    time.sleep(1.0)  # one stream runs (max-num-seqs 1), the others wait: the queue is full
+    time.sleep(1.0)  # one stream runs (max-num-seqs 1; 400 tokens take seconds even in bf16), the others wait: the queue is full
     rejected = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
                           timeout=120)
     assert rejected.status_code == 429, rejected.text

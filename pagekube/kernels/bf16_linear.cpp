@@ -1,7 +1,7 @@
 // Small-batch bf16 linear for CPUs with AVX512_BF16: y = x @ w.T (+ bias), bf16 in and out, float accumulation.
 // A decode step multiplies a few token rows by every weight matrix, so its cost is reading the weights. Each weight
 // row is read once and dotted with every row of x (x stays in L1); at M <= 8 this reads the weights faster than
-// torch's bf16 GEMM does (docs/benchmarks.md). Built on first use by pagekube/kernels/cpu_linear.py, which falls
+// torch's bf16 GEMM does (docs/benchmarks.md). Built on first use by pagekube/kernels/cpu_ops.py, which falls
 // back to F.linear (also the reference in the tests).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,8 +1,8 @@
-"""Linear layers on CPUs: the small-batch bf16 kernel (bf16_linear.cpp) where it is faster, F.linear elsewhere.
+"""The CPU extension: the small-batch bf16 linear (bf16_linear.cpp) and paged decode attention (paged_decode.cpp).
 
-The kernel is compiled on first use with torch.utils.cpp_extension into ~/.cache/pagekube/torch_extensions (about
-10 s, once per machine and torch version). Without a C++ compiler, without AVX512_BF16, or with
-PAGEKUBE_CPU_KERNELS=0 the engine runs torch's own linear, which gives the same results to bf16 rounding.
+Compiled on first use with torch.utils.cpp_extension into ~/.cache/pagekube/torch_extensions (about 15 s, once per
+machine and torch version). Without a C++ compiler, without AVX512_BF16, or with PAGEKUBE_CPU_KERNELS=0 the engine
+runs torch's own ops, which give the same results to bf16 rounding.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): above it, torch is as fast or faster
-SOURCE = Path(__file__).parent / "bf16_linear.cpp"
+SOURCES = [Path(__file__).parent / name for name in ("bf16_linear.cpp", "paged_decode.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -26,8 +26,8 @@ def cpu_supports_bf16_dot() -> bool:
     return torch.cpu._is_avx512_bf16_supported()
 
 
-def load_bf16_kernel() -> bool:
-    """Build (once) and load the kernel; False, with one warning in the log, where it cannot be had."""
+def load_cpu_kernels() -> bool:
+    """Build (once) and load the extension; False, with one warning in the log, where it cannot be had."""
     if "loaded" in _state:
         return _state["loaded"]
     _state["loaded"] = False
@@ -45,19 +45,29 @@ def load_bf16_kernel() -> bool:
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        load("pagekube_bf16_linear", [str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
+        load("pagekube_cpu", [str(p) for p in SOURCES], build_directory=str(build_dir), is_python_module=False,
              extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16"])
     except Exception as err:  # no compiler (the engine images have none), a read-only home, an old toolchain
-        log.warning({"msg": "CPU bf16 linear kernel unavailable; using torch's", "error": str(err)[-500:]})
+        log.warning({"msg": "CPU kernels unavailable; using torch's ops", "error": str(err)[-500:]})
         return False
-    log.info({"msg": "CPU bf16 linear kernel ready", "seconds": round(time.perf_counter() - start, 1)})
+    log.info({"msg": "CPU kernels ready", "seconds": round(time.perf_counter() - start, 1)})
     _state["loaded"] = True
     return True
 
 
+def loaded() -> bool:
+    return _state.get("loaded", False)
+
+
 def uses_bf16_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_state.get("loaded", False) and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
+    return (loaded() and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
             and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16)
+
+
+def uses_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    head_dim = q.shape[-1]
+    return (loaded() and q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+            and head_dim % 16 == 0 and head_dim <= 256)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
