@@ -49,10 +49,12 @@ def kv_bytes_for(batch: int, max_len: int, dtype) -> int:
     grows to that size too (its peak RSS shows it)."""
     from transformers import AutoConfig
 
+    from pagekube.engine.config import EngineConfig
     from pagekube.engine.model_files import resolve_model_dir
 
     c = AutoConfig.from_pretrained(resolve_model_dir(None))
-    max_len = -(-max_len // 16) * 16  # whole blocks (the default block size)
+    block = EngineConfig().block_size
+    max_len = -(-max_len // block) * block  # whole blocks
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return batch * max_len * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * dtype.itemsize
 

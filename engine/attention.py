@@ -54,11 +54,16 @@ class TorchAttention:
                                            [meta.context_lens_list[i]], scale)
 
     @staticmethod
+    def _prefill_chunks(meta: AttentionMetadata, starts: list[int]) -> list[tuple[int, int, int]]:
+        """(sequence, first row, end row) of every sequence with more than one query token this step."""
+        return [(i, starts[i], starts[i + 1]) for i, n in enumerate(meta.query_lens) if n > 1]
+
+    @staticmethod
     def _kernel_plan(meta: AttentionMetadata):
         """A mixed step: the decode tokens' rows and sequences (one kernel call), and the prefill chunks."""
         starts = meta.query_start_loc.tolist()
         decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        prefills = [(i, starts[i], starts[i + 1]) for i, n in enumerate(meta.query_lens) if n > 1]
+        prefills = TorchAttention._prefill_chunks(meta, starts)
         device = meta.block_tables.device
         rows = (torch.tensor([starts[i] for i in decodes], device=device), torch.tensor(decodes, device=device))
         return (rows if decodes else None), prefills
@@ -72,7 +77,7 @@ class TorchAttention:
         starts = meta.query_start_loc.tolist()
         lens = meta.context_lens_list
         decodes = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lens.__getitem__)
-        prefills = [(i, starts[i], starts[i + 1]) for i, n in enumerate(meta.query_lens) if n > 1]
+        prefills = TorchAttention._prefill_chunks(meta, starts)
         device = meta.block_tables.device
         groups = []
         for g in range(0, len(decodes), DECODE_GROUP):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the tests start for real besides Python: nginx and Prometheus/promtool (Debian packages; g++ for the CPU kernel), and the control
+# What the tests start for real besides Python: nginx and Prometheus/promtool (Debian packages; g++ for the CPU extension), and the control
 # plane + kubectl/helm + third-party CRDs (built or fetched once into ~/.cache/pagekube by e2e/controlplane/build.sh).
 # Idempotent and quick once done.
 set -euo pipefail
@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 missing=()
 command -v nginx >/dev/null || missing+=(nginx-light)
 command -v promtool >/dev/null || missing+=(prometheus)
-command -v g++ >/dev/null || missing+=(g++)  # builds the CPU bf16 linear kernel (pagekube/kernels/bf16_linear.cpp)
+command -v g++ >/dev/null || missing+=(g++)  # builds the CPU extension (pagekube/kernels/*.cpp)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
   echo "[test-deps] apt-get install ${missing[*]}" >&2
