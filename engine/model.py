@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagekube.engine.tensor_parallel import TPShard, all_reduce, gather_logits
-from pagekube.kernels.cpu_ops import linear, uses_bf16_kernel
+from pagekube.kernels.cpu_ops import linear, uses_bf16_kernel, uses_fused_ops
 
 
 @dataclass
@@ -45,7 +45,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(residual + x), residual + x): the decoder's add-then-normalize."""
+        if uses_fused_ops(x) and self.weight.dtype == x.dtype:  # one pass (the add happens in `residual`)
+            if residual is None:
+                return torch.ops.pagekube_cpu.rms_norm(x, self.weight, self.eps)
+            return torch.ops.pagekube_cpu.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -92,14 +103,19 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if uses_fused_ops(qkv) and k_cache.dtype == qkv.dtype:  # RoPE and the cache write in one pass
+            q = torch.ops.pagekube_cpu.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                                     self.num_heads, self.num_kv_heads)
+        else:
+            q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
         return all_reduce(self.o_proj(out.reshape(t, -1)), self.shard)
 
@@ -113,10 +129,16 @@ class MLP(nn.Module):
         self.gate_up_proj = fused_linear(config.hidden_size, [self.size] * 2, bias)  # gate, then up
         self.down_proj = Linear(self.size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return all_reduce(self.down_proj(self.act(gate) * up), self.shard)
+        gate_up = self.gate_up_proj(x)
+        if self.silu and uses_fused_ops(gate_up):
+            h = torch.ops.pagekube_cpu.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return all_reduce(self.down_proj(h), self.shard)
 
 
 class VocabEmbedding(nn.Module):
@@ -145,9 +167,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta, backend):
+        """x: the previous layer's MLP output (the embeddings, with residual None, in the first layer).
+        Returns this layer's MLP output and the residual stream before it, so each add fuses with the next norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta, backend), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -162,9 +190,10 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta, backend)
+        return self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):

@@ -1,4 +1,5 @@
-"""The CPU extension against its references: the bf16 linear vs float32 linear, paged decode vs the torch path."""
+"""The CPU extension against its references: the bf16 linear vs float32 linear; paged decode attention and the fused
+small ops (RMSNorm, SiLU-and-mul, RoPE with the cache write) vs the torch path the engine runs without them."""
 
 import shutil
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagekube.engine.model import RMSNorm, rotate_half
 from pagekube.kernels import cpu_ops
-from pagekube.kernels.reference import paged_attention_ref
+from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supports_bf16_dot(), reason="this CPU has no AVX512_BF16")
 
@@ -80,6 +82,63 @@ def test_paged_decode_attention_refuses_a_context_past_its_block_table(kernel):
         torch.ops.pagekube_cpu.paged_decode_attention(torch.zeros(1, 1, 64).bfloat16(), cache, cache,
                                                       torch.zeros(1, 2, dtype=torch.int32),
                                                       torch.tensor([33], dtype=torch.int32), 1.0)
+
+
+BF16 = dict(rtol=2**-7, atol=2e-2)  # one bf16 rounding apart (the torch path rounds after each op)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (3, 64), (40, 100)])
+def test_rms_norm_and_add_rms_norm_match_the_torch_path(kernel, rows, dim):
+    torch.manual_seed(rows + dim)
+    norm = RMSNorm(dim, 1e-5).bfloat16()
+    norm.weight.data = torch.randn(dim).bfloat16()
+    x, residual = torch.randn(rows, dim).bfloat16(), torch.randn(rows, dim).bfloat16()
+    torch.testing.assert_close(torch.ops.pagekube_cpu.rms_norm(x, norm.weight, 1e-5), norm._norm(x), **BF16)
+    want_sum = residual + x
+    in_place = residual.clone()
+    got = torch.ops.pagekube_cpu.add_rms_norm(x, in_place, norm.weight, 1e-5)
+    assert torch.equal(in_place, want_sum)  # the residual stream is updated in place, rounded as torch rounds
+    torch.testing.assert_close(got, norm._norm(want_sum), **BF16)
+
+
+def test_rms_norm_module_takes_the_fused_path_and_returns_the_residual(kernel):
+    norm = RMSNorm(64, 1e-6).bfloat16()
+    x, residual = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
+    want_sum = residual + x
+    out, stream = norm(x, residual)
+    assert stream is residual and torch.equal(stream, want_sum)
+    torch.testing.assert_close(out, norm._norm(want_sum), **BF16)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_silu_and_mul_matches_the_torch_path(kernel, rows):
+    gate_up = torch.randn(rows, 2 * 1536).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(torch.ops.pagekube_cpu.silu_and_mul(gate_up), F.silu(gate) * up, **BF16)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_rope_write_kv_matches_rope_then_write_kv_cache(kernel, heads, kv_heads, head_dim):
+    """q rotated and returned; k rotated and v copied to their slots; a -1 slot writes nothing."""
+    torch.manual_seed(heads * head_dim)
+    t, blocks, block_size = 5, 6, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim).bfloat16()
+    angles = torch.rand(t, head_dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).bfloat16()[:, None, :]
+    sin = torch.cat([angles.sin()] * 2, -1).bfloat16()[:, None, :]
+    slots = torch.tensor([3, 17, -1, 0, 22])
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (a.reshape(t, -1, head_dim) for a in (q, k, v))
+    want_k = torch.zeros(blocks, block_size, kv_heads, head_dim).bfloat16()
+    want_v = torch.zeros_like(want_k)
+    write_kv_cache_ref(k * cos + rotate_half(k) * sin, v, want_k, want_v, slots)
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    got_q = torch.ops.pagekube_cpu.rope_write_kv(qkv, cos, sin, got_k, got_v, slots, heads, kv_heads)
+    torch.testing.assert_close(got_q, q * cos + rotate_half(q) * sin, **BF16)
+    torch.testing.assert_close(got_k, want_k, **BF16)
+    assert torch.equal(got_v, want_v)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.pagekube_cpu.rope_write_kv(qkv, cos, sin, got_k, got_v, slots + 100, heads, kv_heads)
 
 
 def test_engine_uses_the_kernels_in_bf16_and_stays_close_to_float32(bundled_dir):

@@ -1,4 +1,5 @@
-"""The CPU extension: the small-batch bf16 linear (bf16_linear.cpp) and paged decode attention (paged_decode.cpp).
+"""The CPU extension: the small-batch bf16 linear (bf16_linear.cpp), paged decode attention (paged_decode.cpp) and
+the decoder's fused small ops (fused_ops.cpp: RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write).
 
 Compiled on first use with torch.utils.cpp_extension into ~/.cache/pagekube/torch_extensions (about 15 s, once per
 machine and torch version). Without a C++ compiler, without AVX512_BF16, or with PAGEKUBE_CPU_KERNELS=0 the engine
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): above it, torch is as fast or faster
-SOURCES = [Path(__file__).parent / name for name in ("bf16_linear.cpp", "paged_decode.cpp")]
+SOURCES = [Path(__file__).parent / name for name in ("bf16_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -74,3 +75,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if uses_bf16_kernel(x, weight):
         return torch.ops.pagekube_cpu.bf16_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def uses_fused_ops(x: torch.Tensor) -> bool:
+    """Whether the fused small ops apply to a bf16 CPU activation (engine/model.py has their torch equivalents)."""
+    return loaded() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.is_contiguous()
