@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# What the tests start for real besides Python: nginx and Prometheus/promtool (Debian packages; g++ for the CPU extension), and the control
-# plane + kubectl/helm + third-party CRDs (built or fetched once into ~/.cache/pagekube by e2e/controlplane/build.sh).
+# What the tests start for real besides Python: nginx and Prometheus/promtool (Debian packages; g++ for the CPU extension), the control
+# plane + kubectl/helm + third-party CRDs (built or fetched once into ~/.cache/pagekube by e2e/controlplane/build.sh), and the real
+# node: containerd, runc, CNI plugins, buildah, debootstrap (Debian), its binaries and images (e2e/node/images.sh).
 # Idempotent and quick once done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,9 @@ missing=()
 command -v nginx >/dev/null || missing+=(nginx-light)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v g++ >/dev/null || missing+=(g++)  # builds the CPU extension (pagekube/kernels/*.cpp)
+# The real node (e2e/node): container runtime, CNI plugins, kube-proxy's tools, and the image builders
+for tool in containerd runc iptables conntrack debootstrap buildah; do command -v $tool >/dev/null || missing+=($tool); done
+[ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
 if [ ${#missing[@]} -gt 0 ]; then
   SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
   echo "[test-deps] apt-get install ${missing[*]}" >&2
@@ -21,3 +25,4 @@ if [ ${#missing[@]} -gt 0 ]; then
   [ "$had_policy" = 1 ] || $SUDO rm -f /usr/sbin/policy-rc.d
 fi
 ./e2e/controlplane/build.sh >/dev/null
+./e2e/node/images.sh >/dev/null   # kubelet, kube-scheduler, kube-proxy, CoreDNS (build.sh) and the node's images

@@ -2,7 +2,7 @@
 # Builds (once per machine) the node half of a real single-node cluster, next to the control plane's cache:
 #   kubelet, kube-scheduler, kube-proxy  <- the same k8s.io/kubernetes wrapper module as e2e/controlplane (go.mod there)
 #   CoreDNS                             <- github.com/coredns/coredns (plain `go install`: no replace directives)
-# Not yet run by scripts/test-deps.sh: the node suite that needs it (issue 17) is still being written.
+# Run by e2e/node/images.sh (and so by scripts/test-deps.sh).
 # Output (stdout): KEY=path lines, like e2e/controlplane/build.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../controlplane"

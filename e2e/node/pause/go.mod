@@ -1,0 +1,3 @@
+module pagekube.e2e/pause
+
+go 1.25

@@ -1,0 +1,166 @@
+"""The product where users meet it, on a real node: `kubectl apply` of an LLMDeployment, the operator running from
+its image (installed by the Helm chart), engine pods from the engine image passing their real probes, NGINX from
+its image in front, kube-proxy and CoreDNS between them, and requests that are never lost while pods come and go.
+
+The tests run in order and share one LLMDeployment (a model load is the expensive part): served, rolled, a pod
+deleted under load, then the whole thing deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from e2e.node.conftest import ENGINE_IMAGE, NGINX_IMAGE
+from e2e.node.node import in_netns
+from e2e.waiting import wait_for
+
+NAME = "cpu"
+MAX_TOKENS = 48
+LONG = 600  # tokens: streams that outlast a pod's startup, preStop and the start of its drain
+
+
+def llmdeployment(replicas: int) -> dict:
+    return {
+        "apiVersion": "serving.pagekube.io/v1alpha1", "kind": "LLMDeployment",
+        "metadata": {"name": NAME, "namespace": "default"},
+        "spec": {
+            "model": {"name": "SmolLM2-135M-Instruct", "source": "pvc://models/smollm2"},
+            # One OpenMP thread per engine: two engines (three while a rollout surges) share this node's 2 cores.
+            "engine": {"image": ENGINE_IMAGE, "maxNumSeqs": 16, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
+            "resources": {"gpu": 0, "memory": "3Gi"},
+            "replicas": replicas,
+            "loadBalancer": {"image": NGINX_IMAGE},
+            "drain": {"timeoutSeconds": 120, "preStopDelaySeconds": 3},
+        },
+    }
+
+
+def apply(node, replicas: int) -> None:
+    node.kubectl("apply", "-f", "-", input=json.dumps(llmdeployment(replicas)))
+
+
+def condition(node, kind: str) -> dict:
+    r = node.kubectl("get", "llmd", NAME, "-o", "json", check=False)
+    if r.returncode:
+        return {}
+    conds = json.loads(r.stdout).get("status", {}).get("conditions", [])
+    return next((c for c in conds if c["type"] == kind), {})
+
+
+def engine_pods(node) -> list[dict]:
+    out = node.kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component=engine",
+                       "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def ready(pod: dict) -> bool:
+    """Ready and not on its way out (a terminating pod stays Ready until its drain fails the probe)."""
+    return not pod["metadata"].get("deletionTimestamp") and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def lb_url(node) -> str:
+    ip = node.kubectl("get", "service", f"{NAME}-lb", "-o", "jsonpath={.spec.clusterIP}").stdout
+    return f"http://{ip}/v1"
+
+
+def pod_metric(pod: dict, name: str) -> float:
+    """One sample of an engine pod's /metrics, read from inside the node's network namespace."""
+    out = subprocess.run(in_netns("curl", "-s", f"http://{pod['status']['podIP']}:8000/metrics"),
+                         capture_output=True, text=True, timeout=10).stdout
+    return sum(float(line.split()[-1]) for line in out.splitlines() if line.startswith(name + "{"))
+
+
+def assert_all_finished(results: list[dict], streams: int, max_tokens: int = MAX_TOKENS) -> None:
+    lost = [r for r in results if r.get("error") or r.get("finish_reason") != "length"
+            or r.get("completion_tokens") != max_tokens]
+    assert len(results) == streams and not lost, f"streams lost or cut: {lost}"
+
+
+@pytest.fixture(scope="module")
+def served(node, operator_release, model_claim):
+    apply(node, replicas=1)
+    try:
+        wait_for(lambda: (condition(node, "Ready"), condition(node, "Progressing")),
+                 lambda conds: conds[0].get("status") == "True", timeout=300, what="Ready=True", interval=2)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{node.diagnostics()}") from None
+    url = lb_url(node)
+    # Ready means the engine pods are ready; NGINX learns their addresses when it next resolves the headless
+    # Service (its resolver's valid=5s on top of CoreDNS's 5 s TTL), so the first seconds after Ready can be 502.
+    routed_after = time.monotonic()
+    wait_for(lambda: routes(url), timeout=30, what="NGINX routing to the engine", interval=0.5)
+    print(f"\n[node] LLMDeployment Ready; NGINX routed to the engine {time.monotonic() - routed_after:.1f} s later")
+    return url
+
+
+def routes(url: str) -> bool:
+    r = subprocess.run(in_netns("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{url}/models"),
+                       capture_output=True, text=True, timeout=10)
+    return r.stdout == "200"
+
+
+def test_apply_serves_a_chat_completion_through_nginx_and_kube_proxy(node, served, stream_runs):
+    pods = engine_pods(node)
+    assert len(pods) == 1 and ready(pods[0])
+    engine = pods[0]["spec"]["containers"][0]
+    assert engine["image"] == ENGINE_IMAGE and engine["command"] == ["pagekube", "serve"]
+    # Ready came from the real probes: the kubelet's startup/readiness checks on /health
+    assert pods[0]["status"]["containerStatuses"][0]["started"] is True
+    printed = node.kubectl("get", "llmd", NAME).stdout
+    assert "http://cpu-lb.default.svc.cluster.local/v1" in printed, printed
+    run = stream_runs(served, streams=2, max_tokens=MAX_TOKENS)
+    results = run.results()
+    assert_all_finished(results, 2)
+    assert all(r["chunks"] >= MAX_TOKENS - 2 for r in results), results  # streamed, not one final blob
+
+
+def test_rolling_restart_under_load_loses_no_stream(node, served, stream_runs):
+    apply(node, replicas=2)
+    wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r == [True, True], timeout=300,
+             what="two ready engine pods", interval=2)
+    before = {p["metadata"]["name"] for p in engine_pods(node)}
+    run = stream_runs(served, streams=16, max_tokens=LONG)
+    run.wait_first_tokens(16)
+    node.kubectl("rollout", "restart", f"deployment/{NAME}-engine")
+    # The kubelet's preStop + SIGTERM reach an old pod while streams still run on it: that is the drain under test.
+    wait_for(lambda: [p for p in engine_pods(node) if p["metadata"]["name"] in before
+                      and p["metadata"].get("deletionTimestamp")], timeout=300, what="an old pod terminating")
+    finished_by_then = sum(e["event"] == "result" for e in run.events)
+    results = run.results()
+    assert finished_by_then < 16, "every stream ended before the rollout reached an old pod: nothing was drained"
+    assert_all_finished(results, 16, LONG)
+    node.kubectl("rollout", "status", f"deployment/{NAME}-engine", "--timeout=400s", timeout=420)
+    after = {p["metadata"]["name"] for p in engine_pods(node) if ready(p)}
+    assert len(after) == 2 and not after & before, (before, after)
+
+
+def test_deleting_a_busy_pod_drains_it_and_others_take_new_requests(node, served, stream_runs):
+    wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r == [True, True], timeout=300,
+             what="two ready engine pods", interval=2)
+    run = stream_runs(served, streams=8, max_tokens=LONG)
+    run.wait_first_tokens(8)
+    pods = engine_pods(node)
+    victim = max(pods, key=lambda p: pod_metric(p, "vllm:num_requests_running"))
+    assert pod_metric(victim, "vllm:num_requests_running") > 0
+    node.kubectl("delete", "pod", victim["metadata"]["name"], "--wait=false")
+    gone = victim["metadata"]["name"]
+    wait_for(lambda: [ready(p) for p in engine_pods(node) if p["metadata"]["name"] == gone], lambda r: r != [True],
+             timeout=30, what="the deleted pod out of the endpoints")
+    late = stream_runs(served, streams=4, max_tokens=MAX_TOKENS)
+    assert_all_finished(late.results(), 4)
+    assert_all_finished(run.results(), 8, LONG)
+
+
+def test_deleting_the_llmdeployment_removes_every_child_and_pod(node, served):
+    node.kubectl("delete", "llmd", NAME, "--wait=true", "--timeout=300s", timeout=320)
+    selector = f"app.kubernetes.io/instance={NAME}"
+
+    def leftovers() -> str:
+        return node.kubectl("get", "deployments,replicasets,services,configmaps,pods", "-l", selector,
+                            "-o", "name").stdout.strip()
+
+    wait_for(leftovers, lambda left: left == "", timeout=300, what="no children left", interval=2)
