@@ -2,12 +2,14 @@
 # Builds (once per machine) the node half of a real single-node cluster, next to the control plane's cache:
 #   kubelet, kube-scheduler, kube-proxy  <- the same k8s.io/kubernetes wrapper module as e2e/controlplane (go.mod there)
 #   CoreDNS                             <- github.com/coredns/coredns (plain `go install`: no replace directives)
+#   KEDA operator + metrics adapter     <- github.com/kedacore/keda/v2 (its go.mod has a replace: built inside a copy)
 # Run by e2e/node/images.sh (and so by scripts/test-deps.sh).
 # Output (stdout): KEY=path lines, like e2e/controlplane/build.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../controlplane"
 . ./k8s-version.sh
 COREDNS=v1.14.7
+KEDA=v2.21.0  # the version whose CRDs e2e/controlplane/build.sh fetches
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 BIN=$CACHE/node/k8s-$K8S-coredns-$COREDNS
 log() { echo "[node] $*" >&2; }
@@ -23,4 +25,18 @@ if [ ! -x "$BIN/coredns" ]; then
   rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
   log "built in $((SECONDS - start)) s"
 fi
+KEDA_BIN=$CACHE/node/keda-$KEDA
+if [ ! -x "$KEDA_BIN/keda-adapter" ]; then
+  log "building the KEDA $KEDA operator and metrics adapter into $KEDA_BIN (about 12 minutes, once)"
+  start=$SECONDS
+  src=$(go mod download -json "github.com/kedacore/keda/v2@$KEDA" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  tmp=$(mktemp -d) && cp -r "$src/." "$tmp/" && chmod -R u+w "$tmp"
+  mkdir -p "$KEDA_BIN.tmp"
+  (cd "$tmp" && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath -ldflags '-s -w' -o "$KEDA_BIN.tmp/keda-operator" ./cmd/operator \
+    && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath -ldflags '-s -w' -o "$KEDA_BIN.tmp/keda-adapter" ./cmd/adapter)
+  cp "$tmp"/config/crd/bases/*.yaml "$KEDA_BIN.tmp/"
+  rm -rf "$tmp" "$KEDA_BIN" && mv "$KEDA_BIN.tmp" "$KEDA_BIN"
+  log "KEDA built in $((SECONDS - start)) s"
+fi
 echo "PAGEKUBE_NODE_BIN=$BIN"
+echo "PAGEKUBE_KEDA_BIN=$KEDA_BIN"

@@ -107,3 +107,14 @@ def stream_runs():
     yield lambda *a, **kw: runs.append(StreamRun(*a, **kw)) or runs[-1]
     for r in runs:
         r.kill()
+
+
+@pytest.fixture(scope="session")
+def keda(node):
+    """Prometheus + the KEDA operator and metrics adapter, started once for the tests that autoscale."""
+    from e2e.node.autoscaling import PROMETHEUS_URL, start_autoscaling
+
+    discovery = start_autoscaling(node, node.tools["PAGEKUBE_KEDA_BIN"])
+    yield PROMETHEUS_URL
+    discovery.stopped.set()
+    discovery.join()

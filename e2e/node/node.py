@@ -60,21 +60,35 @@ def node_tools() -> dict[str, Path]:
 
 
 def _certificates(d: Path, node_name: str) -> None:
+    """One CA for serving and KEDA's mutual TLS, and the front-proxy CA the API server's aggregation layer uses to
+    call KEDA's metrics adapter."""
     def openssl(*args):
         _run("openssl", *args, cwd=d)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-            "-subj", "/CN=pagekube-node-ca")
-    sans = (f"IP:{NODE_IP},IP:10.96.0.1,IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-            "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
-    for name, san in (("apiserver", sans), ("kubelet", f"IP:{NODE_IP},DNS:{node_name}")):
+    def sign(name: str, ca: str, subject: str, san: str = "") -> None:
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", f"/CN={name}")
-        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-subj", subject)
+        ext = f"subjectAltName={san}\n" if san else ""
+        (d / f"{name}.ext").write_text(ext + "extendedKeyUsage=serverAuth,clientAuth\n")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
                 "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")
+
+    for ca in ("ca", "front-proxy-ca"):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key", "-out", f"{ca}.crt",
+                "-days", "2", "-subj", f"/CN=pagekube-node-{ca}")
+    sign("apiserver", "ca", "/CN=kube-apiserver",
+         f"IP:{NODE_IP},IP:10.96.0.1,IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+         "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
+    sign("kubelet", "ca", "/CN=kubelet", f"IP:{NODE_IP},DNS:{node_name}")
+    sign("keda", "ca", "/CN=keda", f"IP:127.0.0.1,IP:{NODE_IP},DNS:localhost,"
+         "DNS:keda-operator.keda.svc.cluster.local,DNS:keda-metrics-apiserver.keda.svc")
+    sign("front-proxy-client", "front-proxy-ca", "/CN=front-proxy-client")
     openssl("genrsa", "-out", "sa.key", "2048")
     openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
+    keda = d / "keda-certs"  # the layout KEDA's operator and adapter read (--cert-dir)
+    keda.mkdir()
+    for src, dst in (("ca.crt", "ca.crt"), ("keda.crt", "tls.crt"), ("keda.key", "tls.key")):
+        (keda / dst).write_bytes((d / src).read_bytes())
 
 
 CONTAINERD_CONFIG = """version = 2
@@ -216,12 +230,13 @@ class Node:
             out.append(f"--- {pod}\n{(logs.stdout + logs.stderr)[-2500:]}")
         return "\n".join(out)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
+        """Start a node process inside the network namespace; stop() ends it."""
         log = open(self.workdir / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(in_netns(*args), stdout=log, stderr=subprocess.STDOUT,
+        self.procs[name] = subprocess.Popen(in_netns(*args), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
 
-    def _wait(self, what: str, check, timeout: float) -> None:
+    def wait(self, what: str, check, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not check():
             for name, p in self.procs.items():
@@ -264,8 +279,8 @@ class Node:
         (self.workdir / "containerd.toml").write_text(CONTAINERD_CONFIG.format(
             root=root, state=self.workdir / "containerd-state", sock=self.containerd_sock, cni_bin=CNI_BIN,
             cni_conf=self.workdir / "cni"))
-        self._spawn("containerd", ["containerd", "--config", str(self.workdir / "containerd.toml")])
-        self._wait("containerd", lambda: _run(*self.ctr("version"), check=False).returncode == 0, 30)
+        self.spawn("containerd", ["containerd", "--config", str(self.workdir / "containerd.toml")])
+        self.wait("containerd", lambda: _run(*self.ctr("version"), check=False).returncode == 0, 30)
 
     def ctr(self, *args: str) -> list[str]:
         return ["ctr", "-a", str(self.containerd_sock), "-n", "k8s.io", *args]
@@ -295,11 +310,11 @@ class Node:
                                               for who, (user, group) in tokens.items()))
         for who in tokens:
             self._kubeconfig(d / f"{who}.kubeconfig", f"{who}-token")
-        self._spawn("etcd", [str(bins / "etcd"), "--data-dir", str(d / "etcd"), "--unsafe-no-fsync",
+        self.spawn("etcd", [str(bins / "etcd"), "--data-dir", str(d / "etcd"), "--unsafe-no-fsync",
                              "--listen-client-urls", "http://127.0.0.1:2379",
                              "--advertise-client-urls", "http://127.0.0.1:2379",
                              "--listen-peer-urls", "http://127.0.0.1:2380", "--log-level", "warn"])
-        self._spawn("kube-apiserver", [
+        self.spawn("kube-apiserver", [
             str(bins / "kube-apiserver"), "--etcd-servers=http://127.0.0.1:2379", "--bind-address=0.0.0.0",
             f"--advertise-address={NODE_IP}", "--secure-port=6443",
             f"--tls-cert-file={d / 'apiserver.crt'}", f"--tls-private-key-file={d / 'apiserver.key'}",
@@ -308,16 +323,22 @@ class Node:
             "--kubelet-preferred-address-types=InternalIP",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={d / 'sa.pub'}", f"--service-account-signing-key-file={d / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true"])
-        self._wait("kube-apiserver", lambda: self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0, 120)
-        self._spawn("kube-controller-manager", [
+            f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
+            # the aggregation layer, for KEDA's external metrics API
+            f"--requestheader-client-ca-file={d / 'front-proxy-ca.crt'}", "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={d / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={d / 'front-proxy-client.key'}", "--enable-aggregator-routing=true"])
+        self.wait("kube-apiserver", lambda: self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0, 120)
+        self.spawn("kube-controller-manager", [
             str(bins / "kube-controller-manager"), f"--kubeconfig={d / 'controller-manager.kubeconfig'}",
             f"--authentication-kubeconfig={d / 'controller-manager.kubeconfig'}",
             f"--authorization-kubeconfig={d / 'controller-manager.kubeconfig'}",
             f"--service-account-private-key-file={d / 'sa.key'}", f"--root-ca-file={d / 'ca.crt'}",
             "--use-service-account-credentials=false", "--leader-elect=false", "--bind-address=127.0.0.1",
             "--secure-port=10257", "--concurrent-gc-syncs=5"])
-        self._spawn("kube-scheduler", [
+        self.spawn("kube-scheduler", [
             str(self.tools["PAGEKUBE_NODE_BIN"] / "kube-scheduler"), f"--kubeconfig={d / 'scheduler.kubeconfig'}",
             f"--authentication-kubeconfig={d / 'scheduler.kubeconfig'}",
             f"--authorization-kubeconfig={d / 'scheduler.kubeconfig'}",
@@ -340,7 +361,7 @@ class Node:
                              "nodefs.inodesFree": "1%"},
             "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
             "syncFrequency": "5s", "fileCheckFrequency": "5s"}))
-        self._spawn("kubelet", [str(bins / "kubelet"), f"--config={d / 'kubelet.yaml'}",
+        self.spawn("kubelet", [str(bins / "kubelet"), f"--config={d / 'kubelet.yaml'}",
                                 f"--kubeconfig={d / 'kubelet.kubeconfig'}", f"--root-dir={d / 'kubelet'}",
                                 f"--hostname-override={self.name}", f"--node-ip={NODE_IP}", "--v=1"])
         (d / "proxy.yaml").write_text(yaml.safe_dump({
@@ -350,7 +371,7 @@ class Node:
             "metricsBindAddress": "127.0.0.1:10249", "healthzBindAddress": "127.0.0.1:10256",
             # the namespace shares the host's conntrack table: leave its global limits alone
             "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}}))
-        self._spawn("kube-proxy", [str(bins / "kube-proxy"), f"--config={d / 'proxy.yaml'}"])
+        self.spawn("kube-proxy", [str(bins / "kube-proxy"), f"--config={d / 'proxy.yaml'}"])
 
     def _node_ready(self) -> bool:
         r = self.kubectl("get", "node", self.name, "-o",
@@ -372,12 +393,12 @@ class Node:
         t2 = time.monotonic()
         self._control_plane()
         self._kubelet_and_proxy()
-        self._wait("node", self._node_ready, 120)
+        self.wait("node", self._node_ready, 120)
         coredns = COREDNS.format(image=f"localhost/coredns:{self.tools['PAGEKUBE_NODE_BIN'].name.split('coredns-')[1]}",
                                  dns_ip=DNS_IP)
         self.kubectl("apply", "-f", "-", input=coredns)
         self.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=120s")
-        self._wait("default ServiceAccount",
+        self.wait("default ServiceAccount",
                    lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0, 60)
         self.timings["cluster"] = time.monotonic() - t2
         return self

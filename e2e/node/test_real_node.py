@@ -51,8 +51,8 @@ def condition(node, kind: str) -> dict:
     return next((c for c in conds if c["type"] == kind), {})
 
 
-def engine_pods(node) -> list[dict]:
-    out = node.kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component=engine",
+def engine_pods(node, name: str = NAME) -> list[dict]:
+    out = node.kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={name},app.kubernetes.io/component=engine",
                        "-o", "json").stdout
     return json.loads(out)["items"]
 

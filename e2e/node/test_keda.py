@@ -1,0 +1,73 @@
+"""KEDA on the real node: the operator-rendered ScaledObject, the real KEDA operator and metrics adapter, the HPA
+controller in kube-controller-manager, and a real Prometheus scraping the engine pods. Queued requests scale the
+engine 1 -> 2; idleness scales it back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from e2e.node.conftest import ENGINE_IMAGE, NGINX_IMAGE
+from e2e.node.test_real_node import LONG, assert_all_finished, engine_pods, ready, routes
+from e2e.waiting import wait_for
+
+NAME = "scaled"
+
+
+def scaled_llmdeployment(prometheus: str) -> dict:
+    return {
+        "apiVersion": "serving.pagekube.io/v1alpha1", "kind": "LLMDeployment",
+        "metadata": {"name": NAME, "namespace": "default"},
+        "spec": {
+            "model": {"name": "SmolLM2-135M-Instruct", "source": "pvc://models/smollm2"},
+            # Two sequences at a time: the rest of a burst waits, which is what the queue-depth trigger reads.
+            "engine": {"image": ENGINE_IMAGE, "maxNumSeqs": 2, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
+            "resources": {"gpu": 0, "memory": "3Gi"},
+            "loadBalancer": {"image": NGINX_IMAGE, "replicas": 1},
+            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "queueDepthTarget": 2,
+                            "prometheusAddress": prometheus, "pollingInterval": 5, "cooldownPeriod": 30,
+                            "scaleDownStabilizationSeconds": 10},
+            "drain": {"preStopDelaySeconds": 3},
+        },
+    }
+
+
+def replicas(node) -> int:
+    return int(node.kubectl("get", "deployment", f"{NAME}-engine", "-o", "jsonpath={.spec.replicas}").stdout or 0)
+
+
+@pytest.fixture(scope="module")
+def scaled(node, operator_release, model_claim, keda):
+    node.kubectl("apply", "-f", "-", input=json.dumps(scaled_llmdeployment(keda)))
+    try:
+        wait_for(lambda: node.kubectl("get", "scaledobject", f"{NAME}-engine", "-o",
+                                      "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False).stdout,
+                 lambda s: s == "True", timeout=300, what="ScaledObject Ready", interval=2)
+        wait_for(lambda: [ready(p) for p in engine_pods(node, NAME)], lambda r: r == [True], timeout=300,
+                 what="one ready engine pod", interval=2)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{node.diagnostics()}") from None
+    ip = node.kubectl("get", "service", f"{NAME}-lb", "-o", "jsonpath={.spec.clusterIP}").stdout
+    url = f"http://{ip}/v1"
+    wait_for(lambda: routes(url), timeout=30, what="NGINX routing to the engine", interval=0.5)
+    yield url
+    node.kubectl("delete", "llmd", NAME, "--wait=true", "--timeout=300s", timeout=320)
+
+
+def test_queued_requests_scale_out_and_idleness_scales_back(node, scaled, stream_runs):
+    assert replicas(node) == 1
+    hpa = json.loads(node.kubectl("get", "hpa", f"keda-hpa-{NAME}-engine", "-o", "json").stdout)
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 2)
+    run = stream_runs(scaled, streams=8, max_tokens=LONG // 2)
+    run.wait_first_tokens(2)
+    wait_for(lambda: replicas(node), lambda r: r == 2, timeout=180, what="KEDA's HPA scaling to 2", interval=2)
+    wait_for(lambda: [ready(p) for p in engine_pods(node, NAME)], lambda r: r == [True, True], timeout=180,
+             what="the second engine pod ready", interval=2)
+    assert_all_finished(run.results(), 8, LONG // 2)
+    try:
+        wait_for(lambda: replicas(node), lambda r: r == 1, timeout=240, what="the scale back to 1 when idle",
+                 interval=3)
+    except AssertionError as e:
+        hpa = node.kubectl("get", "hpa", f"keda-hpa-{NAME}-engine", "-o", "jsonpath={.status}").stdout
+        raise AssertionError(f"{e}\nHPA status: {hpa}\n{node.diagnostics()}") from None
