@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.k8s_tools import REPO
 
 
@@ -56,3 +58,14 @@ def test_offline_vs_hf_benchmark_smoke(tmp_path):
     tokens = {(r[1].strip(), r[2].strip()): int(r[3]) for r in rows}
     assert len(tokens) == 4 and tokens[("32", "hf")] == tokens[("32", "pagekube")] >= 32
     assert tokens[("1", "hf")] == tokens[("1", "pagekube")] >= 16
+
+
+def test_fused_ops_benchmark_smoke():
+    from pagekube.kernels import cpu_ops
+
+    if not cpu_ops.cpu_supports_bf16_dot():
+        pytest.skip("the fused ops need AVX512_BF16")
+    out = subprocess.run([sys.executable, str(REPO / "bench/fused_ops_ab.py"), "--batch", "2", "--steps", "16"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("batch 2: fused ops on ") and "off" in out.stdout
