@@ -8,29 +8,22 @@ import json
 
 import pytest
 
-from e2e.node.conftest import ENGINE_IMAGE, NGINX_IMAGE
-from e2e.node.test_real_node import LONG, assert_all_finished, engine_pods, ready, routes
+from e2e.node.test_real_node import LONG, assert_all_finished, engine_pods, llmdeployment, ready, routes
 from e2e.waiting import wait_for
 
 NAME = "scaled"
 
 
 def scaled_llmdeployment(prometheus: str) -> dict:
-    return {
-        "apiVersion": "serving.pagekube.io/v1alpha1", "kind": "LLMDeployment",
-        "metadata": {"name": NAME, "namespace": "default"},
-        "spec": {
-            "model": {"name": "SmolLM2-135M-Instruct", "source": "pvc://models/smollm2"},
-            # Two sequences at a time: the rest of a burst waits, which is what the queue-depth trigger reads.
-            "engine": {"image": ENGINE_IMAGE, "maxNumSeqs": 2, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
-            "resources": {"gpu": 0, "memory": "3Gi"},
-            "loadBalancer": {"image": NGINX_IMAGE, "replicas": 1},
-            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "queueDepthTarget": 2,
-                            "prometheusAddress": prometheus, "pollingInterval": 5, "cooldownPeriod": 30,
-                            "scaleDownStabilizationSeconds": 10},
-            "drain": {"preStopDelaySeconds": 3},
-        },
-    }
+    manifest = llmdeployment(replicas=1, name=NAME)
+    spec = manifest["spec"]
+    del spec["replicas"]  # KEDA's HPA owns them
+    spec["engine"]["maxNumSeqs"] = 2  # two sequences at a time: the rest of a burst waits, which the trigger reads
+    spec["loadBalancer"]["replicas"] = 1
+    spec["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "queueDepthTarget": 2,
+                           "prometheusAddress": prometheus, "pollingInterval": 5, "cooldownPeriod": 30,
+                           "scaleDownStabilizationSeconds": 10}
+    return manifest
 
 
 def replicas(node) -> int:

@@ -23,10 +23,10 @@ MAX_TOKENS = 48
 LONG = 600  # tokens: streams that outlast a pod's startup, preStop and the start of its drain
 
 
-def llmdeployment(replicas: int) -> dict:
+def llmdeployment(replicas: int, name: str = NAME) -> dict:
     return {
         "apiVersion": "serving.pagekube.io/v1alpha1", "kind": "LLMDeployment",
-        "metadata": {"name": NAME, "namespace": "default"},
+        "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "model": {"name": "SmolLM2-135M-Instruct", "source": "pvc://models/smollm2"},
             # One OpenMP thread per engine: two engines (three while a rollout surges) share this node's 2 cores.
