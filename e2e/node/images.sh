@@ -7,11 +7,12 @@
 #   localhost/coredns:$COREDNS      <- the CoreDNS binary from build.sh
 #   localhost/pagekube-engine:cpu   <- images/engine/Dockerfile, BASE=localhost/debian:bookworm (buildah bud)
 #   localhost/pagekube-operator:dev <- images/operator/Dockerfile, its python:3.12-slim served by the bookworm base
-# Output (stdout): PAGEKUBE_NODE_IMAGES=dir (one NAME.tar per image).
+# Output (stdout): build.sh's KEY=path lines, then PAGEKUBE_NODE_IMAGES=dir (one NAME.tar per image).
 set -euo pipefail
 cd "$(dirname "$0")"
 REPO=$(cd ../.. && pwd)
-eval "$(./build.sh)"   # PAGEKUBE_NODE_BIN (CoreDNS)
+binaries=$(./build.sh)
+eval "$binaries"   # PAGEKUBE_NODE_BIN (CoreDNS), PAGEKUBE_KEDA_BIN
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 OUT=$CACHE/node/images
 STORE=$CACHE/node/buildah   # buildah's own storage (no daemon): the base images the Dockerfiles build FROM
@@ -101,4 +102,5 @@ build engine localhost/pagekube-engine:cpu images/engine/Dockerfile \
   --build-arg BASE=localhost/debian:bookworm --build-arg TORCH=torch==2.13.0
 
 [ $((SECONDS - start)) -gt 5 ] && log "images ready in $((SECONDS - start)) s"
+echo "$binaries"
 echo "PAGEKUBE_NODE_IMAGES=$OUT"

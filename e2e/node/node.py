@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 from e2e.cluster import stop_process_group
-from tests.k8s_tools import REPO, kubectl, tool_paths
+from tests.k8s_tools import REPO, helm, kubectl, tool_paths
 
 NETNS = "pagekube-node"
 HOST_IP, NODE_IP = "10.77.0.1", "10.77.0.2"
@@ -51,12 +51,10 @@ def in_netns(*args: str) -> list[str]:
 
 
 def node_tools() -> dict[str, Path]:
-    """Binaries and image tarballs from the caches (built once per machine by the two scripts)."""
-    out = {}
-    for script in ("build.sh", "images.sh"):
-        r = _run(str(REPO / "e2e/node" / script))
-        out.update({k: Path(v) for k, v in (line.split("=", 1) for line in r.stdout.split()) if k})
-    return out
+    """Binaries and image tarballs from the caches (images.sh builds them once per machine, and build.sh's
+    binaries before them, and prints where all of them are)."""
+    out = _run(str(REPO / "e2e/node/images.sh"), timeout=3600).stdout
+    return {k: Path(v) for k, v in (line.split("=", 1) for line in out.split())}
 
 
 def _certificates(d: Path, node_name: str) -> None:
@@ -212,8 +210,7 @@ class Node:
         return r
 
     def helm(self, *args: str) -> subprocess.CompletedProcess:
-        helm = tool_paths()["PAGEKUBE_TOOLS_BIN"] / "helm"
-        r = subprocess.run([str(helm), *args], env=self.env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run([helm(), *args], env=self.env, capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise AssertionError(f"helm {' '.join(args)} failed: {r.stderr}")
         return r
@@ -384,7 +381,6 @@ class Node:
         self.timings["build"] = time.monotonic() - t0
         self.workdir.mkdir(parents=True, exist_ok=True)
         _certificates(self.workdir, self.name)
-        self._kubeconfig(self.kubeconfig, "admin-token")
         self._network()
         t1 = time.monotonic()
         self._containerd()
@@ -399,7 +395,7 @@ class Node:
         self.kubectl("apply", "-f", "-", input=coredns)
         self.kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=120s")
         self.wait("default ServiceAccount",
-                   lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0, 60)
+                  lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0, 60)
         self.timings["cluster"] = time.monotonic() - t2
         return self
 
