@@ -3,6 +3,7 @@
 #   kubelet, kube-scheduler, kube-proxy  <- the same k8s.io/kubernetes wrapper module as e2e/controlplane (go.mod there)
 #   CoreDNS                             <- github.com/coredns/coredns (plain `go install`: no replace directives)
 #   KEDA operator + metrics adapter     <- github.com/kedacore/keda/v2 (its go.mod has a replace: built inside a copy)
+#   argocd-health                       <- e2e/argocd: Argo CD's settings + Lua health code (github.com/argoproj/argo-cd/v3)
 # Run by e2e/node/images.sh (and so by scripts/test-deps.sh).
 # Output (stdout): KEY=path lines, like e2e/controlplane/build.sh.
 set -euo pipefail
@@ -38,5 +39,15 @@ if [ ! -x "$KEDA_BIN/keda-adapter" ]; then
   rm -rf "$tmp" "$KEDA_BIN" && mv "$KEDA_BIN.tmp" "$KEDA_BIN"
   log "KEDA built in $((SECONDS - start)) s"
 fi
+# Rebuilt when its source or pinned modules change: the hash of e2e/argocd names the cache folder.
+ARGOCD_BIN=$CACHE/node/argocd-health-$(cat ../argocd/go.mod ../argocd/go.sum ../argocd/main.go | sha256sum | cut -c1-12)
+if [ ! -x "$ARGOCD_BIN/argocd-health" ]; then
+  log "building argocd-health (Argo CD $(awk '$1 == "github.com/argoproj/argo-cd/v3" {print $2}' ../argocd/go.mod)) into $ARGOCD_BIN (a few minutes, once)"
+  start=$SECONDS
+  (cd ../argocd && CGO_ENABLED=0 go build -trimpath -ldflags '-s -w' -o "$ARGOCD_BIN.tmp/argocd-health" .)
+  rm -rf "$ARGOCD_BIN" && mv "$ARGOCD_BIN.tmp" "$ARGOCD_BIN"
+  log "argocd-health built in $((SECONDS - start)) s"
+fi
 echo "PAGEKUBE_NODE_BIN=$BIN"
 echo "PAGEKUBE_KEDA_BIN=$KEDA_BIN"
+echo "PAGEKUBE_ARGOCD_HEALTH=$ARGOCD_BIN/argocd-health"

@@ -291,6 +291,16 @@ class Node:
                 continue
             _run(*self.ctr("images", "import", "--no-unpack", str(tar)), timeout=900)
             stamp.touch()
+        self._prune_replaced_images()
+
+    def _prune_replaced_images(self) -> None:
+        """An image rebuilt under the same tag leaves the old one behind (the CRI also names every image by its ID),
+        5 GB per engine build: remove each name whose image no tag points at any more; containerd's GC frees it."""
+        rows = [line.split()[:3] for line in _run(*self.ctr("images", "ls")).stdout.splitlines()[1:]]
+        tagged = {digest for ref, _, digest in rows if not ref.startswith("sha256:") and "@" not in ref}
+        stale = [ref for ref, _, digest in rows if digest not in tagged]
+        if stale:
+            _run(*self.ctr("images", "rm", "--sync", *stale), timeout=300)
 
     def _kubeconfig(self, path: Path, token: str) -> None:
         path.write_text(yaml.safe_dump({
