@@ -42,18 +42,25 @@ def load_cpu_kernels() -> bool:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    build_dir = Path.home() / ".cache" / "pagekube" / "torch_extensions" / f"torch-{torch.__version__}"
+    build_dir = build_directory()
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         load("pagekube_cpu", [str(p) for p in SOURCES], build_directory=str(build_dir), is_python_module=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16"])
+             # -fopenmp: at::parallel_for is inlined from torch's headers as `#pragma omp parallel`; without the
+             # flag every kernel runs on one thread (it resolves to torch's own libgomp at load time).
+             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # no compiler (the engine images have none), a read-only home, an old toolchain
         log.warning({"msg": "CPU kernels unavailable; using torch's ops", "error": str(err)[-500:]})
         return False
     log.info({"msg": "CPU kernels ready", "seconds": round(time.perf_counter() - start, 1)})
     _state["loaded"] = True
     return True
+
+
+def build_directory() -> Path:
+    """Where the extension is built and cached (pagekube_cpu.so), per torch version."""
+    return Path.home() / ".cache" / "pagekube" / "torch_extensions" / f"torch-{torch.__version__}"
 
 
 def loaded() -> bool:
