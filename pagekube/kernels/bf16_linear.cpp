@@ -13,7 +13,9 @@ namespace {
 // One weight row against MB rows of x. MB is a compile-time size so the loops unroll and the accumulators stay in
 // registers; one weight row at a time measured faster than several (more concurrent streams per thread read slower).
 // At MB = 1 a single accumulator is one dependency chain of dpbf16s: two chains (even and odd 32-column chunks) and
-// a prefetch 1 KB ahead read the weights ~20% faster on the Xeon machine (docs/benchmarks.md).
+// a prefetch 8 KB ahead (into the rows that come next; a prefetch never faults, so past the end is harmless)
+// read the weights faster on the Xeon machine
+// (docs/benchmarks.md).
 template <int MB>
 void row(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t N,
          int64_t n, int64_t m) {
@@ -24,7 +26,7 @@ void row(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFl
   const uint16_t* wr = w + n * K;
   const int64_t full = K / (32 * CHAINS) * (32 * CHAINS);
   for (int64_t k = 0; k < full; k += 32 * CHAINS) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k + 512), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wr + k + 4096), _MM_HINT_T0);
     for (int c = 0; c < CHAINS; ++c) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * c);
       for (int i = 0; i < MB; ++i)
