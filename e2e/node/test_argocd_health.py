@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from e2e.node.test_real_node import llmdeployment, ready
+from e2e.node.test_real_node import engine_pods, llmdeployment, ready
 from e2e.waiting import wait_for
 from tests.k8s_tools import REPO
 
@@ -58,9 +58,7 @@ def test_llmdeployment_goes_progressing_then_healthy(node, operator_release, mod
                            what="Argo CD health Healthy")
         # Healthy only once the engine pod serves; before that Argo CD shows Progressing, never Degraded.
         assert seen[0] == "Progressing" and seen[-1] == "Healthy" and "Degraded" not in seen, seen
-        pods = node.kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={name},app.kubernetes.io/component=engine",
-                            "-o", "json").stdout
-        assert any(ready(p) for p in json.loads(pods)["items"])
+        assert any(ready(p) for p in engine_pods(node, name))
         assert healthy["message"], healthy
         print(f"\n[argocd] health seen: {' -> '.join(seen)} ({time.monotonic() - applied:.0f} s after apply); "
               f"Healthy: {healthy['message']!r}")

@@ -12,10 +12,9 @@ namespace {
 
 // One weight row against MB rows of x. MB is a compile-time size so the loops unroll and the accumulators stay in
 // registers; one weight row at a time measured faster than several (more concurrent streams per thread read slower).
-// At MB = 1 a single accumulator is one dependency chain of dpbf16s: two chains (even and odd 32-column chunks) and
-// a prefetch 8 KB ahead (into the rows that come next; a prefetch never faults, so past the end is harmless)
-// read the weights faster on the Xeon machine
-// (docs/benchmarks.md).
+// At MB = 1 a single accumulator is one dependency chain of dpbf16s: two chains (even and odd 32-column chunks)
+// read the weights faster on the Xeon machine, as does a prefetch 8 KB ahead, into the rows that come next (a
+// prefetch never faults, so running past the last row is harmless). Measurements in docs/benchmarks.md.
 template <int MB>
 void row(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFloat16* y, int64_t K, int64_t N,
          int64_t n, int64_t m) {
