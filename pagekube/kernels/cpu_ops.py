@@ -1,5 +1,6 @@
-"""The CPU extension: the small-batch bf16 linear (bf16_linear.cpp), paged decode attention (paged_decode.cpp) and
-the decoder's fused small ops (fused_ops.cpp: RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write).
+"""The CPU extension: the small-batch linears over bf16 weights (bf16_linear.cpp) and over GGUF Q4_1 blocks
+(q4_linear.cpp), paged decode attention (paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp:
+RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write).
 
 Compiled on first use with torch.utils.cpp_extension into ~/.cache/pagekube/torch_extensions (about 15 s, once per
 machine and torch version). Without a C++ compiler, without AVX512_BF16, or with PAGEKUBE_CPU_KERNELS=0 the engine
@@ -19,7 +20,10 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): above it, torch is as fast or faster
-SOURCES = [Path(__file__).parent / name for name in ("bf16_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
+# Measured crossover of the Q4_1 kernel with the bf16 one: it reads a third of the bytes, but unpacking and scaling
+# each block costs more arithmetic per row of x, so from 3 rows up it is the slower (docs/benchmarks.md).
+Q4_MAX_ROWS = 2
+SOURCES = [Path(__file__).parent / name for name in ("bf16_linear.cpp", "q4_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -49,7 +53,7 @@ def load_cpu_kernels() -> bool:
         load("pagekube_cpu", [str(p) for p in SOURCES], build_directory=str(build_dir), is_python_module=False,
              # -fopenmp: at::parallel_for is inlined from torch's headers as `#pragma omp parallel`; without the
              # flag every kernel runs on one thread (it resolves to torch's own libgomp at load time).
-             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16"], extra_ldflags=["-fopenmp"])
+             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mf16c"], extra_ldflags=["-fopenmp"])
     except Exception as err:  # no compiler (the engine images have none), a read-only home, an old toolchain
         log.warning({"msg": "CPU kernels unavailable; using torch's ops", "error": str(err)[-500:]})
         return False
@@ -70,6 +74,15 @@ def loaded() -> bool:
 def uses_bf16_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (loaded() and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
             and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16)
+
+
+def uses_q4_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return uses_bf16_kernel(x, weight) and x.shape[0] <= Q4_MAX_ROWS
+
+
+def q4_linear(x: torch.Tensor, q4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) with w in Q4_1 blocks (engine/gguf_linears.Q4Weight); callers check uses_q4_kernel."""
+    return torch.ops.pagekube_cpu.q4_1_linear(x, q4.qs, q4.d, q4.m, bias)
 
 
 def uses_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
