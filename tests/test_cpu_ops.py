@@ -67,16 +67,18 @@ def test_linear_uses_the_kernel_only_for_small_bf16_batches(kernel):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 1),
-                                                                  (6, 1, 32, 32)])
-def test_paged_decode_attention_matches_reference(kernel, heads, kv_heads, head_dim, block_size):
-    """One query per sequence over contexts of 1 to ~300 tokens in shuffled blocks, GQA groups of 1 to 6."""
+                                                                  (6, 1, 32, 32), (4, 2, 80, 16), (2, 2, 16, 16)])
+@pytest.mark.parametrize("seqs", [1, 7])  # one: a task per KV head; seven: a task per sequence (2 threads)
+def test_paged_decode_attention_matches_reference(kernel, heads, kv_heads, head_dim, block_size, seqs):
+    """One query per sequence over contexts of 1 to ~300 tokens in shuffled blocks, GQA groups of 1 to 6, head
+    sizes of one to eight 32-dim chunks (80 and 16: the last chunk half)."""
     torch.manual_seed(heads * 100 + head_dim)
-    seqs, max_blocks = 7, 300 // block_size + 1
+    max_blocks = 300 // block_size + 1
     num_blocks = seqs * max_blocks + 5
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).bfloat16()
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).bfloat16()
     tables = torch.randperm(num_blocks)[:seqs * max_blocks].view(seqs, max_blocks).int()
-    lens = torch.tensor([1, 2, block_size, block_size + 1, 77, 255, 300], dtype=torch.int32)
+    lens = torch.tensor([1, 2, block_size, block_size + 1, 77, 255, 300][-seqs:], dtype=torch.int32)
     q = torch.randn(seqs, heads, head_dim).bfloat16()
     got = torch.ops.pagekube_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, head_dim**-0.5)
     want = paged_attention_ref(q, k_cache, v_cache, tables, list(range(seqs + 1)), lens.tolist(), head_dim**-0.5)

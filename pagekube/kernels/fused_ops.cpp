@@ -9,7 +9,13 @@
 
 #include <cmath>
 
+#include "vec_math.h"
+
 namespace {
+
+using pagekube_vec::exp16;
+using pagekube_vec::load16;
+using pagekube_vec::store16;
 
 inline float f(const at::BFloat16 v) { return static_cast<float>(v); }
 
@@ -55,26 +61,6 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   norm_rows(x.const_data_ptr<at::BFloat16>(), residual.data_ptr<at::BFloat16>(), weight.const_data_ptr<at::BFloat16>(),
             out.data_ptr<at::BFloat16>(), x.numel() / dim, dim, static_cast<float>(eps));
   return out;
-}
-
-// 16 bf16 <-> 16 floats (bf16 is a float's top half; the store rounds to nearest even, as at::BFloat16 does).
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline void store16(at::BFloat16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-
-// e^x for 16 floats: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (relative error
-// ~2e-7, far below bf16's 4e-3), times 2^n by scalef. A scalar std::exp per element (not vectorized without
-// -ffast-math) made silu_and_mul 10% of a 32-sequence decode step.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 e = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(e, n);
 }
 
 // silu(gate) * up for gate_up = [gate | up] along the last dim (the MLP's fused projection).
