@@ -23,7 +23,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(f for f in model_dir.glob("*.safetensors") if f.name != gguf_linears.FILE)
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
     return files
