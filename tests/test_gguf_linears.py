@@ -77,12 +77,11 @@ def test_extract_skips_a_tensor_whose_rows_do_not_match(bundled_dir):
     from pagekube.engine.model_files import bundled_model_file
 
     state = load_file(bundled_dir / "model.safetensors")
-    name = "model.layers.0.self_attn.k_proj.weight"
-    some = {name: state[name], "model.layers.0.self_attn.v_proj.weight": state["model.layers.0.self_attn.v_proj.weight"]}
+    name, other = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+    some = {name: state[name], other: state[other]}
     assert set(gguf_linears.extract(bundled_model_file(), some)) == {f"{n}.{p}" for n in some for p in ("qs", "d", "m")}
     some[name] = state[name].flip(0)
-    assert {k.rsplit(".", 1)[0] for k in gguf_linears.extract(bundled_model_file(), some)} == {
-        "model.layers.0.self_attn.v_proj.weight"}
+    assert {k.rsplit(".", 1)[0] for k in gguf_linears.extract(bundled_model_file(), some)} == {other}
 
 
 @needs_kernel

@@ -8,6 +8,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "row_blocks.h"
+
 namespace {
 
 // One weight row against MB rows of x. MB is a compile-time size so the loops unroll and the accumulators stay in
@@ -64,17 +66,9 @@ at::Tensor bf16_linear(const at::Tensor& input, const at::Tensor& weight, const 
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   // Threads split the weight rows (torch's pool, so torch.set_num_threads applies); x is read by all of them.
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) rows<8>(xp, wp, bp, yp, K, N, n0, n1, m);
-    switch (M - m) {
-      case 7: rows<7>(xp, wp, bp, yp, K, N, n0, n1, m); break;
-      case 6: rows<6>(xp, wp, bp, yp, K, N, n0, n1, m); break;
-      case 5: rows<5>(xp, wp, bp, yp, K, N, n0, n1, m); break;
-      case 4: rows<4>(xp, wp, bp, yp, K, N, n0, n1, m); break;
-      case 3: rows<3>(xp, wp, bp, yp, K, N, n0, n1, m); break;
-      case 2: rows<2>(xp, wp, bp, yp, K, N, n0, n1, m); break;
-      case 1: rows<1>(xp, wp, bp, yp, K, N, n0, n1, m); break;
-    }
+    pagekube_rows::for_row_blocks(M, [&](auto mb, int64_t m) {
+      rows<decltype(mb)::value>(xp, wp, bp, yp, K, N, n0, n1, m);
+    });
   });
   return y;
 }

@@ -53,7 +53,8 @@ inline __m512 sum16(const __m512* d) {
 // layer at 32 sequences of 512 tokens in one micro-benchmark run).
 inline void prefetch_group(const uint16_t* cache, const int64_t* rows, int64_t i0, int64_t ctx, int64_t bytes) {
   for (int64_t i = i0; i < std::min<int64_t>(i0 + 16, ctx); ++i)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(cache + rows[i]) + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(cache + rows[i]) + b, _MM_HINT_T0);
 }
 
 inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
@@ -135,7 +136,8 @@ void attend(const Task& t, float* scores, int64_t* rows, __m512* acc) {
     for (int c = 0; c < C; ++c) {
       const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[h * 2 * C + c], inv)));
       const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[h * 2 * C + C + c], inv)));
-      _mm512_mask_storeu_epi32(t.out + (h0 + h) * t.D + 32 * c, mask32(c), _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+      _mm512_mask_storeu_epi32(t.out + (h0 + h) * t.D + 32 * c, mask32(c),
+                               _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
     }
   }
 }

@@ -12,6 +12,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "row_blocks.h"
+
 namespace {
 
 constexpr int64_t kMaxBlocks = 1024;  // K <= 32768: the per-row scales live on the stack
@@ -94,17 +96,9 @@ at::Tensor q4_1_linear(const at::Tensor& input, const at::Tensor& qs, const at::
   const at::BFloat16* bp = bias.defined() ? bias.const_data_ptr<at::BFloat16>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 8 <= M; r += 8) q4_rows<8>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r);
-    switch (M - r) {
-      case 7: q4_rows<7>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r); break;
-      case 6: q4_rows<6>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r); break;
-      case 5: q4_rows<5>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r); break;
-      case 4: q4_rows<4>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r); break;
-      case 3: q4_rows<3>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r); break;
-      case 2: q4_rows<2>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r); break;
-      case 1: q4_rows<1>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, r); break;
-    }
+    pagekube_rows::for_row_blocks(M, [&](auto mb, int64_t m) {
+      q4_rows<decltype(mb)::value>(xp, sp, qp, dp, mp, bp, yp, K, N, n0, n1, m);
+    });
   });
   return y;
 }
