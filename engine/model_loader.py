@@ -14,6 +14,7 @@ from tqdm import tqdm
 from pagekube.engine import gguf_linears
 from pagekube.engine.model import CausalLM
 from pagekube.engine.tensor_parallel import TPShard
+from pagekube.kernels import cpu_ops
 
 log = logging.getLogger("pagekube.engine")
 
@@ -75,8 +76,8 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
     log.info("loaded %d tensors (%.1f MB) from %d file(s) in %.1f s", len(loaded), total / 1e6, len(files),
              time.monotonic() - start)
-    if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == 1:
-        attached = gguf_linears.attach(model, model_dir)
+    if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == 1 and cpu_ops.loaded():
+        attached = gguf_linears.attach(model, model_dir)  # only the CPU extension reads them
         if attached:
             log.info("%d linears also read from the GGUF's Q4_1 blocks at one or two rows", attached)
     return model.eval()
