@@ -69,3 +69,14 @@ def test_fused_ops_benchmark_smoke():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("batch 2: fused ops on ") and "off" in out.stdout
+
+
+def test_cpu_linears_benchmark_smoke():
+    from pagekube.kernels import cpu_ops
+
+    if not cpu_ops.cpu_supports_bf16_dot():
+        pytest.skip("the kernels need AVX512_BF16")
+    out = subprocess.run([sys.executable, str(REPO / "bench/cpu_linears.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "1 rows: q4_1 kernel" in out.stdout and "q4_1 on" in out.stdout and "q4_1 off" in out.stdout, out.stdout

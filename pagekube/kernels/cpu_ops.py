@@ -20,8 +20,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): above it, torch is as fast or faster
-# Measured crossover of the Q4_1 kernel with the bf16 one: it reads a third of the bytes, but unpacking and scaling
-# each block costs more arithmetic per row of x, so from 3 rows up it is the slower (docs/benchmarks.md).
+# Measured crossover of the Q4_1 kernel with the bf16 one (bench/cpu_linears.py): it reads a third of the bytes, but
+# unpacking and scaling each block costs arithmetic per row of x: 1.6x faster at one row, about even at two, slower
+# from three up (docs/benchmarks.md).
 Q4_MAX_ROWS = 2
 SOURCES = [Path(__file__).parent / name for name in ("bf16_linear.cpp", "q4_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _state: dict[str, bool] = {}
