@@ -1,8 +1,8 @@
 // Paged decode attention for CPUs, bf16 caches: one query token per sequence attends over its cached context,
 // reading each K/V row in place from the blocks its block table names (torch's path gathers the blocks into a
-// contiguous copy first, then SDPA reads them again). One task per (sequence, KV head): that head's K/V rows are
-// read from memory once for all the query heads of its GQA group. Scores and the weighted sum in float; output
-// rounded to bf16.
+// contiguous copy first, then SDPA reads them again). A task is a sequence (or, with few sequences, one of its KV
+// heads); its K/V rows are read from memory once for all its query heads. Scores and the weighted sum in float;
+// output rounded to bf16.
 // Built with bf16_linear.cpp by pagekube/kernels/cpu_ops.py; kernels/reference.py is the reference in the tests.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
