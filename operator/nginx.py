@@ -17,7 +17,13 @@ from pagekube.operator.spec import LLMDeploymentSpec
 CONFIG_KEY = "nginx.conf"
 CONFIG_DIR = "/etc/nginx/pagekube"
 # kube-dns is resolved once at start by the system resolver; `valid` bounds how stale the pod list can get.
-NGINX_COMMAND = ["nginx", "-p", "/tmp", "-e", "stderr", "-c", f"{CONFIG_DIR}/{CONFIG_KEY}", "-g", "daemon off;"]
+NGINX = ["nginx", "-p", "/tmp", "-e", "stderr", "-c", f"{CONFIG_DIR}/{CONFIG_KEY}"]  # the pid file: /tmp/nginx.pid
+NGINX_COMMAND = [*NGINX, "-g", "daemon off;"]
+# Before the kubelet's SIGTERM (nginx's fast shutdown, which cuts open streams): wait for the endpoint removal to
+# reach clients, ask for a graceful quit (QUIT: in-flight requests finish, streams included) with the same prefix
+# and config as the server (a bare `nginx -s quit` looks for the image's default pid file and fails), and return
+# only when the master has exited, so SIGTERM finds nothing left to cut.
+NGINX_PRE_STOP = ["sh", "-c", f"sleep 5; {' '.join(NGINX)} -s quit; while [ -e /tmp/nginx.pid ]; do sleep 1; done"]
 CLUSTER_RESOLVER = "kube-dns.kube-system.svc.cluster.local valid=5s ipv6=off"
 
 
@@ -155,8 +161,7 @@ def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -
                                 {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                                 {"name": "tmp", "mountPath": "/tmp"},
                             ],
-                            # Let in-flight streams finish: nginx's graceful quit waits for them.
-                            "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", "sleep 5; nginx -s quit"]}}},
+                            "lifecycle": {"preStop": {"exec": {"command": NGINX_PRE_STOP}}},
                             "securityContext": {
                                 "runAsNonRoot": True,
                                 "runAsUser": 101,

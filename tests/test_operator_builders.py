@@ -111,6 +111,19 @@ def test_nginx_config_passes_nginx_t(example, tmp_path):
     assert "test is successful" in r.stderr
 
 
+def test_nginx_pre_stop_quits_the_running_server_and_waits_for_it():
+    """`nginx -s quit` finds the master through the pid file its config names, relative to its prefix: the preStop
+    must pass the server's own -p and -c (a bare one reads the image's default config and fails, and the kubelet's
+    SIGTERM then cuts every open stream), then wait until the master is gone."""
+    from pagekube.operator.nginx import NGINX, NGINX_COMMAND, build_nginx_deployment
+
+    c = build_nginx_deployment("m", "ns", spec_of())["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == NGINX_COMMAND
+    script = c["lifecycle"]["preStop"]["exec"]["command"][-1]
+    assert f"{' '.join(NGINX)} -s quit;" in script and NGINX_COMMAND[:len(NGINX)] == NGINX
+    assert "pid nginx.pid;" in render_nginx_conf(spec_of(), ["10.0.0.1:8000"]) and "[ -e /tmp/nginx.pid ]" in script
+
+
 def test_nginx_config_streams_and_never_replays():
     conf = render_nginx_conf(spec_of(loadBalancer={"readTimeoutSeconds": 900, "maxBodySize": "20m"}), ["10.0.0.1:8000"])
     for line in ["least_conn;", "proxy_buffering off;", "proxy_read_timeout 900s;", "client_max_body_size 20m;",
