@@ -24,7 +24,8 @@ MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): 
 # unpacking and scaling each block costs arithmetic per row of x: 1.6x faster at one row, about even at two, slower
 # from three up (docs/benchmarks.md).
 Q4_MAX_ROWS = 2
-SOURCES = [Path(__file__).parent / name for name in ("bf16_linear.cpp", "q4_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).parent / name
+           for name in ("bf16_linear.cpp", "q4_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -54,7 +55,8 @@ def load_cpu_kernels() -> bool:
         load("pagekube_cpu", [str(p) for p in SOURCES], build_directory=str(build_dir), is_python_module=False,
              # -fopenmp: at::parallel_for is inlined from torch's headers as `#pragma omp parallel`; without the
              # flag every kernel runs on one thread (it resolves to torch's own libgomp at load time).
-             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mf16c"], extra_ldflags=["-fopenmp"])
+             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mf16c"],
+             extra_ldflags=["-fopenmp"])
     except Exception as err:  # no compiler (the engine images have none), a read-only home, an old toolchain
         log.warning({"msg": "CPU kernels unavailable; using torch's ops", "error": str(err)[-500:]})
         return False
