@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,10 @@ from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.engine.model_files import resolve_model_dir
 from pagekube.kernels import cpu_ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.step_ab import alternate  # noqa: E402
 
 
 def linears(rows: list[int], reps: int) -> None:
@@ -48,16 +54,10 @@ def engine_step(steps: int, switch_every: int = 16) -> None:
     engine.add_request("0", [1000 + i for i in range(128)], SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    limit, times = cpu_ops.Q4_MAX_ROWS, {"q4_1 on": [], "q4_1 off": []}
-    for s in range(steps):
-        mode = "q4_1 on" if (s // switch_every) % 2 == 0 else "q4_1 off"
-        cpu_ops.Q4_MAX_ROWS = limit if mode == "q4_1 on" else 0
-        start = time.perf_counter()
-        engine.step()
-        times[mode].append(time.perf_counter() - start)
-    cpu_ops.Q4_MAX_ROWS = limit
+    limit = cpu_ops.Q4_MAX_ROWS
+    ms = alternate(engine, steps, lambda on: setattr(cpu_ops, "Q4_MAX_ROWS", limit if on else 0), switch_every)
     engine.close()
-    print("one sequence, decode step: " + ", ".join(f"{m} {statistics.median(t) * 1e3:.2f} ms" for m, t in times.items()))
+    print(f"one sequence, decode step: q4_1 on {ms['on']:.2f} ms, q4_1 off {ms['off']:.2f} ms")
 
 
 def main() -> None:

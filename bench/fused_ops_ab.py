@@ -7,14 +7,18 @@ one process (so both halves see the same machine state). Prints the median step 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import pagekube.engine.model as model
 from pagekube.engine import SamplingParams
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.kernels import cpu_ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.step_ab import alternate  # noqa: E402
 
 
 def measure(batch: int, steps: int, switch_every: int = 8) -> dict[str, float]:
@@ -24,16 +28,12 @@ def measure(batch: int, steps: int, switch_every: int = 8) -> dict[str, float]:
         engine.add_request(str(i), f"Count slowly from {i}:", params)
     for _ in range(4):  # prefill, warm-up
         engine.step()
-    times: dict[str, list[float]] = {"on": [], "off": []}
-    for s in range(steps):
-        mode = "on" if (s // switch_every) % 2 == 0 else "off"
-        model.uses_fused_ops = cpu_ops.uses_fused_ops if mode == "on" else (lambda _x: False)
-        start = time.perf_counter()
-        engine.step()
-        times[mode].append(time.perf_counter() - start)
-    model.uses_fused_ops = cpu_ops.uses_fused_ops
+    def switch(on: bool) -> None:
+        model.uses_fused_ops = cpu_ops.uses_fused_ops if on else (lambda _x: False)
+
+    ms = alternate(engine, steps, switch, switch_every)
     engine.close()
-    return {mode: statistics.median(t) * 1e3 for mode, t in times.items()}
+    return ms
 
 
 def main() -> None:
