@@ -80,7 +80,8 @@ def uses_bf16_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def uses_q4_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return uses_bf16_kernel(x, weight) and x.shape[0] <= Q4_MAX_ROWS
+    # The row count first: above it (most steps of a busy server) linear() makes the other checks anyway.
+    return x.dim() == 2 and x.shape[0] <= Q4_MAX_ROWS and uses_bf16_kernel(x, weight)
 
 
 def q4_linear(x: torch.Tensor, q4, bias: torch.Tensor | None = None) -> torch.Tensor:

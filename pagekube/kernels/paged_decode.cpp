@@ -18,7 +18,6 @@
 namespace {
 
 using pagekube_vec::exp16;
-using pagekube_vec::store16;
 
 constexpr int64_t MAX_DIM = 256;
 
