@@ -16,7 +16,6 @@ from pagekube.operator.spec import LLMDeploymentSpec
 
 CONFIG_KEY = "nginx.conf"
 CONFIG_DIR = "/etc/nginx/pagekube"
-# kube-dns is resolved once at start by the system resolver; `valid` bounds how stale the pod list can get.
 NGINX = ["nginx", "-p", "/tmp", "-e", "stderr", "-c", f"{CONFIG_DIR}/{CONFIG_KEY}"]  # the pid file: /tmp/nginx.pid
 NGINX_COMMAND = [*NGINX, "-g", "daemon off;"]
 # Before the kubelet's SIGTERM (nginx's fast shutdown, which cuts open streams): wait for the endpoint removal to
@@ -24,6 +23,7 @@ NGINX_COMMAND = [*NGINX, "-g", "daemon off;"]
 # and config as the server (a bare `nginx -s quit` looks for the image's default pid file and fails), and return
 # only when the master has exited, so SIGTERM finds nothing left to cut.
 NGINX_PRE_STOP = ["sh", "-c", f"sleep 5; {' '.join(NGINX)} -s quit; while [ -e /tmp/nginx.pid ]; do sleep 1; done"]
+# kube-dns is resolved once at start by the system resolver; `valid` bounds how stale the pod list can get.
 CLUSTER_RESOLVER = "kube-dns.kube-system.svc.cluster.local valid=5s ipv6=off"
 
 

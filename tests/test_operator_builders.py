@@ -120,7 +120,8 @@ def test_nginx_pre_stop_quits_the_running_server_and_waits_for_it():
     c = build_nginx_deployment("m", "ns", spec_of())["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == NGINX_COMMAND
     script = c["lifecycle"]["preStop"]["exec"]["command"][-1]
-    assert f"{' '.join(NGINX)} -s quit;" in script and NGINX_COMMAND[:len(NGINX)] == NGINX
+    assert c["command"][-2:] == ["-g", "daemon off;"]  # the rest: the same -p, -e and -c as the running server
+    assert f"{' '.join(c['command'][:-2])} -s quit;" in script and c["command"][:-2] == NGINX
     assert "pid nginx.pid;" in render_nginx_conf(spec_of(), ["10.0.0.1:8000"]) and "[ -e /tmp/nginx.pid ]" in script
 
 

@@ -51,16 +51,14 @@ def condition(node, kind: str) -> dict:
     return next((c for c in conds if c["type"] == kind), {})
 
 
+def component_pods(node, component: str, name: str = NAME) -> list[dict]:
+    out = node.kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={name},app.kubernetes.io/component={component}",
+                       "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
 def engine_pods(node, name: str = NAME) -> list[dict]:
-    out = node.kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={name},app.kubernetes.io/component=engine",
-                       "-o", "json").stdout
-    return json.loads(out)["items"]
-
-
-def lb_pods(node) -> list[dict]:
-    out = node.kubectl("get", "pods", "-l", f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component=load-balancer",
-                       "-o", "json").stdout
-    return json.loads(out)["items"]
+    return component_pods(node, "engine", name)
 
 
 def ready(pod: dict) -> bool:
@@ -164,7 +162,7 @@ def test_deleting_a_busy_pod_drains_it_and_others_take_new_requests(node, served
 def test_deleting_the_load_balancer_pod_mid_stream_loses_no_stream(node, served, stream_runs):
     """The kubelet runs NGINX's preStop (a graceful quit, waited for) before its SIGTERM, nginx's fast shutdown:
     streams already going through the deleted load balancer pod finish; its replacement takes new requests."""
-    old = {p["metadata"]["name"] for p in lb_pods(node)}
+    old = {p["metadata"]["name"] for p in component_pods(node, "load-balancer")}
     run = stream_runs(served, streams=4, max_tokens=LONG)
     run.wait_first_tokens(4)
     for name in old:
@@ -173,7 +171,7 @@ def test_deleting_the_load_balancer_pod_mid_stream_loses_no_stream(node, served,
     results = run.results()
     assert finished_by_then < 4, "every stream ended before the load balancer pod was deleted: nothing was tested"
     assert_all_finished(results, 4, LONG)
-    wait_for(lambda: [ready(p) for p in lb_pods(node) if p["metadata"]["name"] not in old], lambda r: r and all(r),
+    wait_for(lambda: [ready(p) for p in component_pods(node, "load-balancer") if p["metadata"]["name"] not in old], lambda r: r and all(r),
              timeout=120, what="a new load balancer pod ready", interval=1)
     wait_for(lambda: routes(served), timeout=60, what="the new NGINX routing to the engines", interval=0.5)
     assert_all_finished(stream_runs(served, streams=2, max_tokens=MAX_TOKENS).results(), 2)
