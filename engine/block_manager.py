@@ -85,7 +85,8 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
                        cached_hashes: list[bytes] = ()) -> bool:
         """Make room for the next `num_new_tokens` of `seq`, after adopting `cached_blocks` (a prefix hit from
-        `find_cached_prefix`). Returns False, changing nothing, when blocks run out.
+        `find_cached_prefix`). Returns False, changing nothing, when blocks run out. The sequence's progress is not
+        touched here: the scheduler counts adopted blocks as computed.
 
         Blocks about to be written that are shared with another sequence are copied first (copy-on-write).
         """
@@ -102,12 +103,10 @@ class BlockManager:
         if fresh:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += len(cached_blocks) * bs
-            seq.num_cached_tokens = len(cached_blocks) * bs
         for b in cached_blocks:
             self._ref(b)
         seq.block_table.extend(cached_blocks)
         seq.block_hashes.extend(cached_hashes)
-        seq.num_computed_tokens = start
         for i in cow:
             old = seq.block_table[i]
             self.blocks[old].ref_count -= 1
@@ -118,15 +117,14 @@ class BlockManager:
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (n > 1 sampling): ref counts go up, nothing is copied yet."""
+        """`child` shares every block of `parent` (n > 1 sampling): ref counts go up, nothing is copied yet. (The
+        scheduler copies the parent's progress.)"""
         if not parent.block_table:  # its KV is gone (finished or preempted): the child would read others' blocks
             raise RuntimeError(f"fork from {parent} which holds no blocks")
         for b in parent.block_table:
             self.blocks[b].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
 
     def free(self, seq: Sequence) -> None:
         self._release(seq.block_table)

@@ -35,20 +35,25 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            if isinstance(prompt, dict):
-                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}))
-            ids.append(rid)
+        ids: list[str] = []
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                if isinstance(prompt, dict):
+                    prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}))
+                ids.append(rid)
+            with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # Ctrl-C, a bad prompt, an engine error: none of this call's requests stay behind
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

@@ -22,7 +22,7 @@ from pagekube.engine.model_runner import ModelRunner, kv_bytes_per_block, resolv
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampler import Sampler
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
-from pagekube.engine.scheduler import Scheduler
+from pagekube.engine.scheduler import ScheduledBatch, Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
 from pagekube.engine.speculative import NgramProposer, SpecDecodeStats, record_acceptance, wants_proposal
 from pagekube.engine.structured import (
@@ -234,6 +234,9 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, forward, sample, apply the output. Progress moves only with the output (the
+        scheduler's prefill_done / append_token), so a step that raises (a sampler error, Ctrl-C) leaves every
+        sequence where it was and the next step recomputes it; end_step rolls back unconfirmed drafts either way."""
         if self.workers is not None:
             self.workers.check()  # a dead rank: fail now, not in the next collective
         if self.proposer is not None:
@@ -241,6 +244,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        try:
+            return self._run_step(batch)
+        finally:
+            self.scheduler.end_step(batch)
+
+    def _run_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         now = time.monotonic()
         for seq in batch.seqs:
             m = seq.request.metrics
@@ -248,11 +257,12 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.propose(batch)
         logits, sample_idx, first_rows = self.runner.execute(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n - len(seq.spec_tokens)  # drafts' KV counts once they are accepted
-            self.block_manager.cache_full_blocks(seq)
-        rows, seqs = self._fork_pending([batch.seqs[i] for i in sample_idx], first_rows)
+        self.scheduler.prefill_done(batch, sample_idx)
+        rows, seqs = self._with_pending_forks([batch.seqs[i] for i in sample_idx], first_rows)
         sampled = self.sampler(logits[rows], seqs)
+        for seq in seqs:  # n > 1: children fork from the first sequence's prompt, before any token is appended
+            if seq.status == SequenceStatus.FORK_PENDING:
+                self.scheduler.fork(seq.request.seqs[0], seq)
         touched: dict[str, Request] = {}
         for j, seq in enumerate(seqs):
             self._append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
@@ -271,10 +281,10 @@ class LLMEngine:
             outputs.append(self.make_output(req))
         return outputs
 
-    def _fork_pending(self, sampled: list[Sequence], first_rows: list[int]) -> tuple[list[int], list[Sequence]]:
-        """A request with n > 1 samples all its sequences from the first one's prompt logits. The children fork
-        here, before any token is appended: choice 0 may finish on this very token and give its blocks back.
-        Returns, per sequence to sample, its row in the logits."""
+    @staticmethod
+    def _with_pending_forks(sampled: list[Sequence], first_rows: list[int]) -> tuple[list[int], list[Sequence]]:
+        """A request with n > 1 samples all its sequences from the first one's prompt logits: its children join
+        the rows to sample, on the first one's row. Returns, per sequence to sample, its row in the logits."""
         rows, seqs = [], []
         for i, seq in zip(first_rows, sampled, strict=True):
             rows.append(i)
@@ -282,8 +292,6 @@ class LLMEngine:
             if seq.index == 0 and seq.num_output_tokens == 0:
                 for child in seq.request.seqs[1:]:
                     if child.status == SequenceStatus.FORK_PENDING:
-                        self.block_manager.fork(seq, child)
-                        self.scheduler.add_running(child)
                         rows.append(i)
                         seqs.append(child)
         return rows, seqs
@@ -307,7 +315,8 @@ class LLMEngine:
         bonus token) ends the sequence's step. Sampling each row exactly as a plain decode would makes greedy
         output identical, and for sampling it is the rejection rule with a point-mass proposal q: accept draft d
         with probability min(1, p(d) / q(d)) = p(d), else draw from the residual max(0, p - q), i.e. p without d,
-        renormalized; the outputs are distributed as the target's. Returns the tokens generated here."""
+        renormalized; the outputs are distributed as the target's. Returns the tokens generated here. (Appending
+        the next token is what confirms an accepted draft's KV: scheduler.append_token.)"""
         generated, pos = 0, 0
         live = speculating
         accepted = dict.fromkeys((seq.seq_id for seq, _ in speculating), 0)
@@ -315,7 +324,6 @@ class LLMEngine:
             agreed = [(seq, row) for seq, row in live
                       if not seq.is_finished and seq.token_ids[-1] == seq.spec_tokens[pos]]
             for seq, _ in agreed:
-                seq.num_computed_tokens += 1  # the draft fed at this position was the real token
                 accepted[seq.seq_id] += 1
             pos += 1
             if not agreed:
@@ -329,14 +337,20 @@ class LLMEngine:
             proposed = len(seq.spec_tokens)
             self.spec_stats.record(proposed, accepted[seq.seq_id])
             record_acceptance(seq, proposed, accepted[seq.seq_id])
-            seq.spec_tokens = []
-            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-            if not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)
-                self.block_manager.trim(seq)
         return generated
 
     def _append_token(self, seq: Sequence, tok: int, logprob: float | None, top: dict[int, float] | None) -> None:
+        """The token joins the sequence (with the progress that produced it), then its text, grammar and stop
+        checks run. An error there is the request's own: it ends (aborted) and the batch goes on."""
+        self.scheduler.append_token(seq, tok)
+        try:
+            self._process_token(seq, tok, logprob, top)
+        except Exception:
+            log.exception("request %s: processing token %d failed; aborting the request", seq.request.request_id, tok)
+            if not seq.is_finished:
+                self._finish_seq(seq, "abort", None)
+
+    def _process_token(self, seq: Sequence, tok: int, logprob: float | None, top: dict[int, float] | None) -> None:
         req, p = seq.request, seq.request.params
         now = time.monotonic()
         m = req.metrics
@@ -348,7 +362,6 @@ class LLMEngine:
             else:
                 m.token_gaps.append(now - m.last_token_time)
             m.last_token_time = now
-        seq.token_ids.append(tok)
         if p.logprobs is not None:
             seq.cumulative_logprob += logprob
             seq.logprobs.append(top)

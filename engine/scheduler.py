@@ -7,6 +7,11 @@ admits nobody new.
 
 A decoding sequence may carry speculative draft tokens (`seq.spec_tokens`): they count against the token budget and
 get KV slots like any other token; with no budget or no blocks for them it decodes plainly.
+
+The scheduler is the one owner of a sequence's progress (`num_computed_tokens`): it counts prefix-cache hits at
+admission, advances progress from a step's output (`prefill_done`, `append_token`: a token and the progress that
+produced it move together) and rolls back what a step did not confirm (`end_step`: rejected drafts, their slots).
+A step that raises before its output is applied leaves progress where it was, so the next step recomputes it.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Scheduler:
             if seq.spec_tokens and not bm.allocate_slots(seq, num_new + len(seq.spec_tokens)):
                 seq.spec_tokens = []  # no blocks for its drafts: it decodes plainly (or is preempted, below)
             num_new += len(seq.spec_tokens)
+            assert num_new >= 1, f"{seq} is running with nothing to compute"
             while not bm.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -80,8 +86,13 @@ class Scheduler:
                 break
             cached, hashes = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else ([], [])
             num_new = min(seq.num_tokens - seq.num_computed_tokens - len(cached) * bm.block_size, budget)
+            assert num_new >= 1, f"{seq} is admitted with nothing to compute"
             if not bm.allocate_slots(seq, num_new, cached, hashes):
                 break
+            seq.num_computed_tokens += len(cached) * bm.block_size
+            if not seq.admitted:  # cached tokens are the prompt's hits at first admission, not a recompute's
+                seq.admitted = True
+                seq.num_cached_tokens = min(len(cached) * bm.block_size, seq.num_prompt_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -93,11 +104,44 @@ class Scheduler:
         batch.blocks_to_copy = bm.take_pending_copies()
         return batch
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sequence joins the running set directly: it shares its parent's computed blocks, and its seat
-        was reserved when the parent was admitted."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    # ---- progress from a step's output ----------------------------------------------------------------------
+    def prefill_done(self, batch: ScheduledBatch, sampling: list[int]) -> None:
+        """The forward ran: chunks that did not reach their sequence's end are computed (they sample nothing).
+        `sampling`: the batch indices that do sample; their progress moves with their token (append_token)."""
+        ends = set(sampling)
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if i not in ends:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """`token` was sampled after every token `seq` holds: they are all computed now (an accepted draft was fed
+        as the real token), and the new one is computed by the next step."""
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(token)
+
+    def end_step(self, batch: ScheduledBatch) -> None:
+        """Roll back what the step did not confirm, whether it finished or raised: drafts are forgotten (the
+        draft model's KV past the accepted tokens too), slots past a sequence's tokens go back, and blocks that
+        became full of computed tokens enter the prefix cache."""
+        for seq in batch.seqs:
+            if seq.spec_tokens:
+                seq.spec_tokens = []
+                if not seq.is_finished:
+                    self.block_manager.trim(seq)
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A forked sequence joins the running set directly: it shares its parent's blocks, and its seat was
+        reserved when the parent was admitted. It forks when the parent's prompt is computed (the step that
+        samples the parent's first token), before that token is appended."""
+        self.block_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_tokens
+        child.num_cached_tokens, child.admitted = parent.num_cached_tokens, True
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

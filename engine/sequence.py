@@ -28,7 +28,8 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
-        self.num_cached_tokens = 0  # of those, served from the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.admitted = False  # scheduled once already (a preempted sequence is re-admitted)
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.status = SequenceStatus.WAITING

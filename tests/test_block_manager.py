@@ -20,7 +20,17 @@ def make_seq(tokens: list[int], n: int = 1) -> Sequence:
 def admit(bm: BlockManager, seq: Sequence) -> bool:
     """What the scheduler does for a waiting sequence: adopt its cached prefix, then allocate the rest."""
     cached, hashes = bm.find_cached_prefix(seq)
-    return bm.allocate_slots(seq, seq.num_tokens - len(cached) * bm.block_size, cached, hashes)
+    if not bm.allocate_slots(seq, seq.num_tokens - len(cached) * bm.block_size, cached, hashes):
+        return False
+    seq.num_computed_tokens += len(cached) * bm.block_size
+    seq.num_cached_tokens = len(cached) * bm.block_size
+    return True
+
+
+def fork(bm: BlockManager, parent: Sequence, child: Sequence) -> None:
+    """What the scheduler does for n > 1: the child shares the parent's blocks and progress."""
+    bm.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens
 
 
 def compute(bm: BlockManager, seq: Sequence) -> None:
@@ -56,7 +66,7 @@ def test_fork_shares_blocks_and_copies_on_write():
     child = parent.request.seqs[1]
     admit(bm, parent)
     compute(bm, parent)
-    bm.fork(parent, child)
+    fork(bm, parent, child)
     assert child.block_table == parent.block_table
     assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table)
     shared_last = parent.block_table[1]  # half full: both will write into it
@@ -174,7 +184,7 @@ def test_random_operations_never_leak_or_double_free(ops):
         elif op == "fork" and live:
             parent = live[arg % len(live)]
             child = make_seq(list(parent.token_ids))
-            bm.fork(parent, child)
+            fork(bm, parent, child)
             live.append(child)
         elif op == "free" and live:
             bm.free(live.pop(arg % len(live)))
