@@ -96,7 +96,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.dead: BaseException | None = None
-        self._waiting_snapshot = 0
+        self._waiting_snapshot = 0  # the scheduler's waiting requests, as the loop thread last counted them
+        self._admitted = 0  # admitted, not yet in the scheduler: tokenizing, or on their way to the loop thread
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._loop_done = (engine_thread or EngineThread()).submit(self._run)
 
@@ -107,9 +108,21 @@ class AsyncEngine:
             return len(self._streams)
 
     def num_waiting(self) -> int:
-        """Queued requests, for admission control: a snapshot taken by the loop thread (the scheduler's queue
-        must not be iterated from here while it changes), plus adds not yet picked up."""
-        return self._waiting_snapshot + self._commands.qsize()
+        """Requests waiting, for admission control and `vllm:num_requests_waiting`: every request from the moment
+        it is admitted (tokenizing included) until it runs or ends. The scheduler's part is a snapshot the loop
+        thread takes (its queue must not be iterated from here while it changes)."""
+        with self._lock:
+            return self._waiting_snapshot + self._admitted
+
+    def reserve(self) -> None:
+        """Count one admitted request as waiting until `release`: an API handler holds this from its admission
+        check until its engine requests are added, so a burst cannot all pass the check before any is counted."""
+        with self._lock:
+            self._admitted += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._admitted -= 1
 
     async def run_tokenizer(self, fn: Callable[..., T], *args) -> T:
         """Run a tokenizer call (encode, chat template, decode) on the tokenizer thread."""
@@ -120,14 +133,19 @@ class AsyncEngine:
         """Tokenize, validate and queue a request. Raises RequestRejected (bad request) before anything is queued."""
         self._check_alive()
         request_id = request_id or uuid.uuid4().hex
-        req = await self.run_tokenizer(self.engine.prepare_request, request_id, prompt, params)
-        out_q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._streams[request_id] = (asyncio.get_running_loop(), out_q)
-        if self.dead:  # it died while we tokenized; a stream registered after its last words would hang
+        self.reserve()  # released by the loop thread once the request is in the scheduler (or dropped)
+        try:
+            req = await self.run_tokenizer(self.engine.prepare_request, request_id, prompt, params)
+            out_q: asyncio.Queue = asyncio.Queue()
             with self._lock:
-                self._streams.pop(request_id, None)
-            self._check_alive()
+                self._streams[request_id] = (asyncio.get_running_loop(), out_q)
+            if self.dead:  # it died while we tokenized; a stream registered after its last words would hang
+                with self._lock:
+                    self._streams.pop(request_id, None)
+                self._check_alive()
+        except BaseException:
+            self.release()
+            raise
         self._commands.put(("add", req))
         return RequestStream(self, req, out_q)
 
@@ -180,6 +198,8 @@ class AsyncEngine:
                     live = arg.request_id in self._streams
                 if live:  # it may have been aborted before we got here
                     self.engine.enqueue(arg)
+                    self._waiting_snapshot = self.engine.num_waiting  # counted there before it leaves _admitted
+                self.release()
             elif kind == "abort":
                 self._abort(arg)
             elif kind == "abort_all":

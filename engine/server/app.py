@@ -106,6 +106,8 @@ def create_app(state: ServerState) -> FastAPI:
         if state.metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
         state.metrics.draining.set(1 if state.draining else 0)
+        if state.engine is not None:  # admitted requests count from admission, tokenizing ones included
+            state.metrics.waiting.set(state.engine.num_waiting())
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ---- OpenAI API -------------------------------------------------------------------------------------------
@@ -146,9 +148,12 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         eng = admit(state, body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        params = build_params(body, max_tokens, body.logprobs)
-        streams = await start_streams(eng, body.prompts(), params, rid, body)
+        try:
+            max_tokens = body.max_tokens if body.max_tokens is not None else 16
+            params = build_params(body, max_tokens, body.logprobs)
+            streams = await start_streams(eng, body.prompts(), params, rid, body)
+        finally:
+            eng.release()  # its requests count as waiting on their own now (or it failed)
         if body.stream:
             return sse(completion_chunks(state, body, rid, streams), streams)
         finals = await collect(streams, request)
@@ -165,24 +170,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         eng = admit(state, body)
-        choice = body.effective_tool_choice()
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and choice != "none" else None
-        try:
-            ids = await eng.run_tokenizer(chat_prompt_ids, eng.engine.tokenizer, conversation(body.messages),
-                                          body.add_generation_prompt, tools)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = build_params(body, body.max_completion_tokens or body.max_tokens, top)
-        reply = tool_reply(state, body, choice)
-        if reply is not None and (forced := forced_schema(tools, choice)) is not None:
-            if body.structured_fields():
-                raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
-                                    f"already constrains the output; drop {body.structured_fields()[0]}",
-                               param="tool_choice", code="invalid_request")
-            params = params.model_copy(update={"structured_outputs": forced})
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await start_streams(eng, [ids], params, rid, body)
+        try:
+            ids, params, reply = await chat_request(state, eng, body)
+            streams = await start_streams(eng, [ids], params, rid, body)
+        finally:
+            eng.release()  # its request counts as waiting on its own now (or it failed)
+        top = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             return sse(chat_chunks(state, body, rid, streams[0], reply), streams)
         finals = await collect(streams, request)
@@ -223,7 +217,29 @@ def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
     if eng.num_waiting() >= state.config.max_waiting_requests:
         raise APIError(429, f"the queue is full ({state.config.max_waiting_requests} waiting requests)",
                        code="queue_full", retry_after=1)
+    eng.reserve()  # counted as waiting from here: the handler releases it once its requests are added
     return eng
+
+
+async def chat_request(state: ServerState, eng: AsyncEngine, body: ChatCompletionRequest):
+    """The prompt ids (chat template applied, on the tokenizer thread), sampling params and tool-call handling."""
+    choice = body.effective_tool_choice()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and choice != "none" else None
+    try:
+        ids = await eng.run_tokenizer(chat_prompt_ids, eng.engine.tokenizer, conversation(body.messages),
+                                      body.add_generation_prompt, tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = build_params(body, body.max_completion_tokens or body.max_tokens, top)
+    reply = tool_reply(state, body, choice)
+    if reply is not None and (forced := forced_schema(tools, choice)) is not None:
+        if body.structured_fields():
+            raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
+                                f"already constrains the output; drop {body.structured_fields()[0]}",
+                           param="tool_choice", code="invalid_request")
+        params = params.model_copy(update={"structured_outputs": forced})
+    return ids, params, reply
 
 
 def build_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
