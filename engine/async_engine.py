@@ -16,9 +16,10 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin TimeoutError before 3.11
 from typing import TYPE_CHECKING, TypeVar
 
-from pagekube.engine.errors import EngineDeadError
+from pagekube.engine.errors import EngineDeadError, WorkerDied
 from pagekube.engine.outputs import RequestOutput
 from pagekube.engine.sampling_params import SamplingParams
 
@@ -159,18 +160,25 @@ class AsyncEngine:
     def abort_all(self) -> None:
         self._commands.put(("abort_all", None))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10) -> None:
+        """Stop the loop; the loop thread itself then stops the tensor-parallel workers (it is the thread in
+        collectives with them). A loop that does not stop in time is stuck: its workers are killed instead."""
         self._stop.set()
         self._commands.put(("wake", None))
         try:
-            self._loop_done.result(timeout=10)
-        except TimeoutError:
-            log.warning("the engine loop did not stop within 10 s")
+            self._loop_done.result(timeout=timeout)
+        except FutureTimeout:
+            log.warning("the engine loop did not stop within %.0f s; killing its workers", timeout)
+            if self.engine.workers is not None:
+                self.engine.workers.kill()
+        except BaseException:  # noqa: BLE001 - the loop's own error was logged and reported when it died
+            pass
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        self.engine.close()
 
     # ---- the loop thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.engine.workers is not None:  # a worker's death is known at once, even mid-collective
+            self.engine.workers.on_failure = lambda reason: self._die(WorkerDied(reason))
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
@@ -179,12 +187,21 @@ class AsyncEngine:
                 self._waiting_snapshot = self.engine.num_waiting
         except BaseException as e:  # noqa: BLE001 - every stream must hear about it, or it hangs
             log.exception("engine loop died")
+            died = self.engine.workers.poll() if self.engine.workers is not None else None
+            self._die(WorkerDied(died) if died else e)  # a collective's error: say which worker died
+        finally:
+            self.engine.close()
+
+    def _die(self, e: BaseException) -> None:
+        """Fail every open stream with an error event (any thread; the first cause wins)."""
+        with self._lock:
+            if self.dead is not None:
+                return
             self.dead = e
-            with self._lock:
-                streams = list(self._streams.values())
-                self._streams.clear()
-            for loop, q in streams:
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e}"))
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for loop, q in streams:
+            loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e}"))
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -13,3 +13,7 @@ class RequestRejected(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process exited: the engine cannot run without it."""

@@ -15,13 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pagekube.engine.errors import WorkerDied
+
 log = logging.getLogger("pagekube.engine")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a peer that stops answering fails the step, not the process
-
-
-class WorkerDied(RuntimeError):
-    pass
 
 
 def init_distributed(rank: int, size: int, port: int, device: torch.device):
@@ -64,24 +62,32 @@ class Workers:
         for p in self.procs:
             p.start()
         self.failure: str | None = None
+        self.on_failure = None  # called with the reason, on the watchdog's thread (the server fails streams now)
         self._stopping = threading.Event()
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.2):
-            for rank, p in enumerate(self.procs, start=1):
-                if p.exitcode is not None and self.failure is None:
-                    self.failure = f"tensor-parallel worker rank {rank} died (exit code {p.exitcode})"
-                    log.error("%s: the engine cannot run without it", self.failure)
+            self.poll()
+
+    def poll(self) -> str | None:
+        """The first worker death seen (logged and reported once), or None while all live."""
+        for rank, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None and self.failure is None:
+                self.failure = f"tensor-parallel worker rank {rank} died (exit code {p.exitcode})"
+                log.error("%s: the engine cannot run without it", self.failure)
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
+        return self.failure
 
     def check(self) -> None:
-        if self.failure:
+        if self.poll():
             raise WorkerDied(self.failure)
 
     def stop(self, runner) -> None:
         """Tell the workers to return, then wait for them (or end them)."""
         self._stopping.set()
-        if self.failure is None and runner is not None:
+        if self.poll() is None and runner is not None:
             try:
                 runner.stop_workers()
             except RuntimeError as e:  # a collective with a dead peer
@@ -92,3 +98,9 @@ class Workers:
                 p.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def kill(self) -> None:
+        """End the workers without a word: for when the thread that talks to them is stuck in a collective."""
+        self._stopping.set()
+        for p in self.procs:
+            p.kill()

@@ -110,12 +110,12 @@ def test_second_signal_exits_at_once(make_server):
 
 def test_full_queue_answers_429_with_retry_after_and_keeps_serving(make_server):
     srv = make_server("--max-num-seqs", "1", "--max-waiting-requests", "2")
-    results, threads = [], []
-    for _ in range(4):
+    results, threads = start_streams(srv.url, 1, 400)  # it runs (max-num-seqs 1; 400 tokens take seconds)
+    for _ in range(3):  # two wait, the third finds the queue full
         t = threading.Thread(target=stream_completion, args=(srv.url, 400, results))
         t.start()
         threads.append(t)
-    time.sleep(1.0)  # one stream runs (max-num-seqs 1; 400 tokens take seconds even in bf16), the others wait: the queue is full
+    time.sleep(1.0)
     rejected = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
                           timeout=120)
     assert rejected.status_code == 429, rejected.text

@@ -142,6 +142,13 @@ def test_unknown_model_bad_key_and_oversized_body(server):
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert_error(post(server, "/v1/completions", {**GOOD, "prompt": "x" * 70000}), 413)
     assert post(server, "/v1/completions", GOOD).status_code == 200
+    chunked = json.dumps({**GOOD, "prompt": "x" * 70000}).encode()
+    for body, code in ((chunked, 413), (json.dumps(GOOD).encode(), 200)):  # no Content-Length: counted as it comes
+        r = httpx.post(server.url + "/v1/completions", content=iter([body[:1000], body[1000:]]),
+                       headers={**auth(), "content-type": "application/json"})
+        assert "content-length" not in r.request.headers and r.status_code == code, r.text
+        if code == 413:
+            assert_error(r, 413)
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False)

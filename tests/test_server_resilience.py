@@ -99,6 +99,9 @@ def test_health_is_503_loading_while_the_model_loads(tiny_dir):
         assert first is not None and first.status_code == 503
         assert first.json()["error"]["code"] == "loading"
         srv.wait_ready()
+        messages = [json.loads(line)["msg"] for line in srv.log_path.read_text().splitlines() if line.startswith("{")]
+        listening = next(i for i, m in enumerate(messages) if m.startswith("Uvicorn running on"))
+        assert listening < messages.index("loading the model")  # the socket listens before torch is imported
     finally:
         srv.stop()
 
@@ -173,3 +176,64 @@ def test_the_thread_that_loads_the_model_is_the_one_that_steps_it(tiny_dir):
     finally:
         async_engine.shutdown()
     assert stepped_on == {loaded_on}
+
+
+# ---- shutdown with a loop stuck in a step (as in a collective with a dead tensor-parallel peer) ----------------
+class StuckEngine:
+    """Stands in for an LLMEngine whose step never returns until released; records who closes it."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.closed_on: str | None = None
+        self.workers = self
+        self.killed = False
+        self.on_failure = None
+        self.num_waiting = 0
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def step(self):
+        self.release.wait(30)
+        return []
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def close(self) -> None:
+        self.closed_on = threading.current_thread().name
+
+
+def test_shutdown_of_a_stuck_loop_kills_the_workers_and_only_the_loop_thread_closes_the_engine():
+    stuck = StuckEngine()
+    engine = AsyncEngine(stuck)
+    time.sleep(0.2)  # the loop is in its step
+    started = time.monotonic()
+    engine.shutdown(timeout=0.5)
+    assert time.monotonic() - started < 5 and stuck.killed  # returned, and the stuck peers were ended
+    assert stuck.closed_on is None  # STOP is never broadcast from this thread
+    stuck.release.set()
+    deadline = time.monotonic() + 5
+    while stuck.closed_on is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stuck.closed_on == "engine-loop"
+
+
+def test_a_dead_worker_reported_by_the_watchdog_fails_open_streams_at_once():
+    stuck = StuckEngine()
+    engine = AsyncEngine(stuck)
+    time.sleep(0.2)
+
+    async def open_stream_then_die():
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with engine._lock:
+            engine._streams["r"] = (loop, q)
+        threading.Thread(target=stuck.on_failure, args=("tensor-parallel worker rank 1 died (exit code -9)",),
+                         name="tp-watchdog").start()
+        return await asyncio.wait_for(q.get(), 5)
+
+    err = asyncio.run(open_stream_then_die())
+    assert "rank 1 died" in str(err) and engine.dead is not None  # while the loop is still stuck in its step
+    stuck.release.set()
+    engine.shutdown(timeout=5)

@@ -80,7 +80,7 @@ def test_a_killed_worker_makes_the_server_report_dead_and_exit_nonzero(tiny_4q_2
             killed = time.monotonic()
             rest = list(lines)  # the stream ends (with an error event), it does not hang
         assert any("engine_dead" in line for line in rest), rest[-3:]
-        assert time.monotonic() - killed < 30
+        assert time.monotonic() - killed < 10
         assert srv.proc.wait(timeout=30) == 1
         assert "tensor-parallel worker rank 1 died" in srv.log()
     finally:

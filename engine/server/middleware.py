@@ -1,4 +1,5 @@
-"""ASGI middleware: request body size limit (413) and API-key auth (401), before any route runs."""
+"""ASGI middleware: request body size limit (413, declared or chunked) and API-key auth (401), before any route
+runs."""
 
 from __future__ import annotations
 
@@ -40,22 +41,26 @@ class GuardMiddleware:
             declared = 0
         if declared > self.max_body_bytes:
             return await _send_error(send, 413, f"request body exceeds {self.max_body_bytes} bytes", "body_too_large")
-        received = 0
+        if b"content-length" not in headers and b"transfer-encoding" in headers:
+            # Chunked: read it whole here (bounded by the limit), so an oversized one is a 413, not a parse error.
+            body, more = bytearray(), True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > self.max_body_bytes:
+                    return await _send_error(send, 413, f"request body exceeds {self.max_body_bytes} bytes",
+                                             "body_too_large")
+            replayed = False
 
-        async def limited_receive():  # bodies without content-length (chunked) are counted as they arrive
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise BodyTooLarge
-            return message
+            async def receive_buffered():
+                nonlocal replayed
+                if replayed:
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except BodyTooLarge:
-            await _send_error(send, 413, f"request body exceeds {self.max_body_bytes} bytes", "body_too_large")
-
-
-class BodyTooLarge(Exception):
-    pass
+            return await self.app(scope, receive_buffered, send)
+        return await self.app(scope, receive, send)

@@ -59,11 +59,11 @@ async def _serve(config: EngineConfig) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
 
     serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():  # listen first: /health answers 503 "loading" from here
+        await asyncio.sleep(0.01)
     try:
-        from pagekube.engine.llm_engine import LLMEngine  # torch import + model load: after we listen
-
-        engine_thread = EngineThread()  # loads the model, then steps it
-        engine = await asyncio.wrap_future(engine_thread.submit(LLMEngine, config))
+        engine_thread = EngineThread()  # imports torch and loads the model, then steps it; the loop stays free
+        engine = await asyncio.wrap_future(engine_thread.submit(load_engine, config))
     except Exception:
         log.exception("model load failed")
         server.should_exit = True
@@ -87,6 +87,13 @@ async def _serve(config: EngineConfig) -> int:
         return 1
     log.info("exited cleanly")
     return 0
+
+
+def load_engine(config: EngineConfig):
+    log.info("loading the model")
+    from pagekube.engine.llm_engine import LLMEngine  # torch and transformers: only once the socket listens
+
+    return LLMEngine(config)
 
 
 async def exit_when_dead(state: ServerState, server: uvicorn.Server) -> None:
