@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from pagekube.engine.config import EngineConfig
 
-SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}  # vLLM's
 
 
 def _flag_type(annotation):

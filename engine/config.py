@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagekube.engine.speculative import SpeculativeConfig
 
@@ -52,8 +52,54 @@ class EngineConfig(BaseModel):
         None, description='Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} or '
                           '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
     drain_timeout: float = Field(120.0, ge=0, description="Seconds to finish accepted requests after SIGTERM before aborting them")
+    # vLLM flags users paste from vLLM's docs: accepted; where they mean nothing here, one log line says so.
+    swap_space: float = Field(4, ge=0, description="vLLM's CPU swap space (GiB); unused: preemption recomputes, as in vLLM v1")
+    enable_chunked_prefill: bool = Field(True, description="Chunked prefill; always on here (--no-enable-chunked-prefill is refused)")
+    enforce_eager: bool = Field(False, description="vLLM's switch off CUDA graphs; the engine always runs eagerly")
+    distributed_executor_backend: Literal["mp", "ray", "uni"] | None = Field(
+        None, description="vLLM's executor for tensor parallelism; workers are always local processes (mp)")
+    quantization: str | None = Field(
+        None, description="Weight quantization of the checkpoint (vLLM's -q); none besides a .gguf file's own yet")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (-pp); only 1 is supported yet")
 
     @field_validator("speculative_config", mode="before")
     @classmethod
     def _parse_speculative_config(cls, value):
         return SpeculativeConfig.parse(value) if value is not None else None
+
+    @field_validator("enable_chunked_prefill")
+    @classmethod
+    def _chunked_prefill_is_always_on(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("the engine always chunks long prompts (its scheduler mixes prefill chunks and decodes "
+                             "in every step); drop --no-enable-chunked-prefill")
+        return value
+
+    @field_validator("pipeline_parallel_size")
+    @classmethod
+    def _one_pipeline_stage(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"{value} pipeline stages: pipeline parallelism is not supported yet; use "
+                             "--tensor-parallel-size to split a model over devices")
+        return value
+
+    @model_validator(mode="after")
+    def _known_quantization(self) -> EngineConfig:
+        q = self.quantization
+        if q is not None and not (q == "gguf" and (self.model or "").endswith(".gguf")):
+            raise ValueError(f"--quantization {q}: the engine does not load {q} checkpoints yet; it reads "
+                             "unquantized safetensors and .gguf files (--quantization gguf, or no flag)")
+        return self
+
+    def compat_notes(self) -> list[str]:
+        """One line per vLLM flag set to something that means nothing here (logged at startup)."""
+        notes = []
+        if self.swap_space != EngineConfig.model_fields["swap_space"].default:
+            notes.append(f"--swap-space {self.swap_space:g} is accepted and unused: a preempted request is "
+                         "recomputed, as in vLLM v1")
+        if self.enforce_eager:
+            notes.append("--enforce-eager is accepted: the engine always runs eagerly (no CUDA graphs)")
+        if self.distributed_executor_backend not in (None, "mp"):
+            notes.append(f"--distributed-executor-backend {self.distributed_executor_backend} is accepted: "
+                         "tensor-parallel workers are local processes (mp)")
+        return notes

@@ -49,6 +49,8 @@ class StatListener(Protocol):
 class LLMEngine:
     def __init__(self, config: EngineConfig, stat_listeners: list[StatListener] = ()):
         self.config = config
+        for note in config.compat_notes():
+            log.info(note)
         self.model_dir = resolve_model_dir(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)

@@ -74,3 +74,37 @@ def test_serve_exits_with_the_reason_when_the_backend_cannot_run_the_flags(tiny_
         assert "cannot run --block-size 8" in srv.log()
     finally:
         srv.stop()
+
+
+def test_the_flag_table_in_the_docs_is_generated_from_engine_config():
+    from pagekube.engine.flags import with_table
+
+    doc = (REPO / "docs/operations.md").read_text()
+    assert doc == with_table(doc), "regenerate: python -m pagekube.engine.flags --markdown"
+
+
+VLLM_LINE = ["--swap-space", "16", "--enable-chunked-prefill", "--enforce-eager", "--distributed-executor-backend",
+             "ray", "--disable-log-requests", "-tp", "1", "-pp", "1"]
+
+
+def test_a_vllm_command_line_starts_the_server_and_says_which_flags_mean_nothing(tiny_dir):
+    srv = ServerProcess(str(tiny_dir), "--dtype", "float32", *VLLM_LINE)
+    try:
+        srv.wait_ready()
+        log = srv.log()
+        assert "--swap-space 16 is accepted and unused" in log
+        assert "--enforce-eager is accepted" in log and "--distributed-executor-backend ray is accepted" in log
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--no-enable-chunked-prefill"], "always chunks long prompts"),
+    (["-pp", "2"], "pipeline parallelism is not supported yet"),
+    (["--quantization", "awq"], "does not load awq checkpoints yet"),
+])
+def test_values_the_engine_cannot_honour_are_refused_with_the_reason(flags, says, capsys):
+    from pagekube.engine.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert says in capsys.readouterr().err
