@@ -20,6 +20,7 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # kept to rule out hash collisions on a hit
+    filled: int = 0  # slots written, while the block is in use (the fragmentation gauge's count)
 
 
 class BlockManager:
@@ -35,6 +36,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write block copies for the runner
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from cache
+        self.tokens_held = 0  # written slots over blocks in use, shared blocks once: kept as blocks change
 
     # ---- capacity -----------------------------------------------------------------------------------------
     @property
@@ -105,6 +107,7 @@ class BlockManager:
             self.prefix_cache_hits += len(cached_blocks) * bs
         for b in cached_blocks:
             self._ref(b)
+            self._fill(b, bs)
         seq.block_table.extend(cached_blocks)
         seq.block_hashes.extend(cached_hashes)
         for i in cow:
@@ -112,8 +115,12 @@ class BlockManager:
             self.blocks[old].ref_count -= 1
             seq.block_table[i] = self._take_free_block()
             self.pending_copies.append((old, seq.block_table[i]))
+            self._fill(seq.block_table[i], self.blocks[old].filled)
         for _ in range(new_blocks):
             seq.block_table.append(self._take_free_block())
+        end = start + num_new_tokens
+        for i in range(start // bs, self.blocks_needed(end)):
+            self._fill(seq.block_table[i], min(bs, end - i * bs))
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -137,21 +144,21 @@ class BlockManager:
         keep = self.blocks_needed(seq.num_tokens)
         self._release(seq.block_table[keep:])
         del seq.block_table[keep:]
+        last = self.blocks[seq.block_table[-1]] if keep else None
+        if last is not None and last.ref_count == 1:  # rejected slots in its own last block hold nothing now
+            tail = seq.num_tokens - (keep - 1) * self.block_size
+            self.tokens_held -= max(0, last.filled - tail)
+            last.filled = min(last.filled, tail)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def fragmentation(self, seqs: list[Sequence]) -> float:
-        """Allocated token slots / tokens held, over blocks in use (shared blocks counted once)."""
-        filled: dict[int, int] = {}
-        for seq in seqs:
-            held = min(len(seq.block_table) * self.block_size, seq.num_tokens)
-            for i, b in enumerate(seq.block_table):
-                n = max(0, min(self.block_size, held - i * self.block_size))
-                filled[b] = max(filled.get(b, 0), n)
-        tokens = sum(filled.values())
-        return (len(filled) * self.block_size / tokens) if tokens else 1.0
+    def fragmentation(self) -> float:
+        """Allocated token slots / slots written, over blocks in use (shared blocks counted once). O(1): the
+        counts are kept as blocks are filled and released, not recounted per step."""
+        used = self.num_blocks - self.num_free_blocks
+        return used * self.block_size / self.tokens_held if self.tokens_held else 1.0
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _release(self, block_ids: list[int]) -> None:
@@ -162,9 +169,17 @@ class BlockManager:
                 raise RuntimeError(f"double free of block {b}")
             block.ref_count -= 1
             if block.ref_count == 0:
+                self.tokens_held -= block.filled
+                block.filled = 0
                 self.free_queue[b] = None
                 if block.hash is None:  # holds nothing reusable: hand it out before cached blocks
                     self.free_queue.move_to_end(b, last=False)
+
+    def _fill(self, block_id: int, slots: int) -> None:
+        block = self.blocks[block_id]
+        if slots > block.filled:
+            self.tokens_held += slots - block.filled
+            block.filled = slots
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

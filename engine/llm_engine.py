@@ -232,7 +232,7 @@ class LLMEngine:
         return len({s.request.request_id for s in self.scheduler.waiting})
 
     def kv_fragmentation(self) -> float:
-        return self.block_manager.fragmentation(self.scheduler.running)
+        return self.block_manager.fragmentation()
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

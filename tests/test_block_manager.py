@@ -195,6 +195,12 @@ def test_random_operations_never_leak_or_double_free(ops):
         for block in bm.blocks:
             assert block.ref_count == refs.get(block.block_id, 0)
             assert (block.ref_count == 0) == (block.block_id in bm.free_queue)
+        # The fragmentation gauge's count, kept incrementally, equals a recount over every live block table.
+        filled: dict[int, int] = {}
+        for s in live:
+            for i, b in enumerate(s.block_table):
+                filled[b] = max(filled.get(b, 0), min(BS, s.num_tokens - i * BS))
+        assert bm.tokens_held == sum(filled.values())
     bm.take_pending_copies()
     for s in live:
         bm.free(s)
