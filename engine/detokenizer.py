@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 from pagekube.engine.sequence import Sequence
 
 CONTEXT_TOKENS = 5  # earlier tokens decoded along, so a token's leading space or merge decodes right
 
 
+def start_detokenizer(seq: Sequence, tokenizer) -> None:
+    """A fast (Rust) tokenizer gets a `tokenizers` DecodeStream: one O(1) step per token, primed with the last
+    prompt tokens. Others fall back to the offset method (two decodes of a short window per token)."""
+    seq.detok_read_offset = seq.num_prompt_tokens
+    seq.detok_prefix_offset = max(0, seq.num_prompt_tokens - CONTEXT_TOKENS)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        seq.decode_stream = DecodeStream(ids=seq.token_ids[seq.detok_prefix_offset:],
+                                         skip_special_tokens=seq.request.params.skip_special_tokens)
+
+
 def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
     """Append what the newest token adds to `seq.output_text` and return it ("" while a character is incomplete)."""
+    if seq.decode_stream is not None:
+        delta = seq.decode_stream.step(tokenizer._tokenizer, seq.token_ids[-1]) or ""
+        seq.output_text += delta
+        return delta
     ids = seq.token_ids
     prefix = tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=skip_special_tokens)
@@ -19,11 +37,6 @@ def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool
     seq.detok_read_offset = len(ids)
     seq.output_text += delta
     return delta
-
-
-def start_detokenizer(seq: Sequence) -> None:
-    seq.detok_read_offset = seq.num_prompt_tokens
-    seq.detok_prefix_offset = max(0, seq.num_prompt_tokens - CONTEXT_TOKENS)
 
 
 def find_stop_string(seq: Sequence, delta: str) -> str | None:

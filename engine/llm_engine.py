@@ -21,6 +21,7 @@ from pagekube.engine.model_files import BUNDLED_NAME, resolve_model_dir
 from pagekube.engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampler import Sampler
+from pagekube.engine.sampler import rows as logit_rows
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagekube.engine.scheduler import ScheduledBatch, Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
@@ -192,7 +193,7 @@ class LLMEngine:
         req = Request(request_id, text, token_ids, params, max_tokens)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
         for seq in req.seqs:
-            start_detokenizer(seq)
+            start_detokenizer(seq, self.tokenizer)
             seq.grammar = self.grammar_backend.matcher(grammar) if grammar is not None else None
         return req
 
@@ -261,7 +262,7 @@ class LLMEngine:
         logits, sample_idx, first_rows = self.runner.execute(batch)
         self.scheduler.prefill_done(batch, sample_idx)
         rows, seqs = self._with_pending_forks([batch.seqs[i] for i in sample_idx], first_rows)
-        sampled = self.sampler(logits[rows], seqs)
+        sampled = self.sampler(logit_rows(logits, rows), seqs)
         for seq in seqs:  # n > 1: children fork from the first sequence's prompt, before any token is appended
             if seq.status == SequenceStatus.FORK_PENDING:
                 self.scheduler.fork(seq.request.seqs[0], seq)

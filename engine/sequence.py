@@ -39,6 +39,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
         self.output_text = ""
         self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
+        self.decode_stream = None  # incremental detokenizer state (engine/detokenizer.py)
         # DELTA outputs: how much of the output the caller has been given
         self.sent_tokens = self.sent_text_len = 0
         self.sent_finish = False

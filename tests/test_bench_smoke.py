@@ -80,3 +80,11 @@ def test_cpu_linears_benchmark_smoke():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "1 rows: q4_1 kernel" in out.stdout and "q4_1 on" in out.stdout and "q4_1 off" in out.stdout, out.stdout
+
+
+def test_step_profile_benchmark_smoke():
+    out = subprocess.run([sys.executable, str(REPO / "bench/step_profile.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
+    assert len(rows) == 2 and all(len(line.split("|")) == 10 for line in rows), out.stdout

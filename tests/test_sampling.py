@@ -110,12 +110,16 @@ def test_logit_bias_forces_a_token(llm):
     assert out.token_ids == [tok] * 5
 
 
-def test_incremental_detokenization_never_emits_broken_utf8(llm):
+@pytest.mark.parametrize("decode_stream", [True, False], ids=["DecodeStream", "offsets"])
+def test_incremental_detokenization_never_emits_broken_utf8(llm, decode_stream):
     text = "日本の首都は東京です。🙂 Ça va? Grüße!"
     ids = llm.tokenizer.encode(text)
     req = Request("u", None, [1], SamplingParams(), 64)
     seq = req.seqs[0]
-    start_detokenizer(seq)
+    start_detokenizer(seq, llm.tokenizer)
+    assert seq.decode_stream is not None  # the fast tokenizer's DecodeStream
+    if not decode_stream:
+        seq.decode_stream = None  # the fallback for tokenizers without a Rust backend
     deltas = []
     for t in ids:
         seq.token_ids.append(t)

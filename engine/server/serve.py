@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -69,6 +70,10 @@ async def _serve(config: EngineConfig) -> int:
         server.should_exit = True
         await serving
         return 1
+    # What loading made (torch, transformers, the model) lives as long as the process: out of the collector's
+    # sight, or each full collection walks ~400k objects inside a step (3.5 ms a step at batch 1; as vLLM does).
+    gc.collect()
+    gc.freeze()
     state.metrics = EngineMetrics(engine.served_model_name, max_model_len=engine.max_model_len,
                                   cache_config=engine.cache_config(), spec_stats=engine.spec_stats)
     engine.stat_listeners.append(state.metrics)
