@@ -125,8 +125,46 @@ class TritonAttention:
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:
             return self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-        return self.ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                                meta.context_lens, max(meta.query_lens), scale)
+        if "triton" not in meta.derived:  # the same split for every layer of the step
+            meta.derived["triton"] = self._plan(meta)
+        decodes, prefills = meta.derived["triton"]
+        if decodes is None:
+            return self.ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                                    meta.context_lens, max(meta.query_lens), scale)
+        # A mixed step: decode rows go to the decode kernel (split-K over the context, every query head of a KV
+        # head in one program), not through the prefill kernel's 16-row tiles for one query row each.
+        out = torch.empty_like(q)
+        rows, seqs = decodes
+        out[rows] = self.ops.paged_decode_attention(q[rows], k_cache, v_cache, meta.block_tables[seqs],
+                                                    meta.context_lens[seqs], scale)
+        rows, seqs, starts, longest = prefills
+        out[rows] = self.ops.paged_prefill_attention(q[rows], k_cache, v_cache, meta.block_tables[seqs], starts,
+                                                     meta.context_lens[seqs], longest, scale)
+        return out
+
+    @staticmethod
+    def _plan(meta: AttentionMetadata):
+        """(decode rows, their sequences) or None, and (prefill rows, their sequences, their query_start_loc,
+        longest chunk), from the host-side query lengths: no device sync."""
+        decode_rows, decode_seqs, prefill_rows, prefill_seqs, starts, at = [], [], [], [], [0], 0
+        for i, n in enumerate(meta.query_lens):
+            if n == 1:
+                decode_rows.append(at)
+                decode_seqs.append(i)
+            else:
+                prefill_rows.extend(range(at, at + n))
+                prefill_seqs.append(i)
+                starts.append(starts[-1] + n)
+            at += n
+        if not decode_rows:
+            return None, None
+        device = meta.block_tables.device
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+        longest = max(b - a for a, b in zip(starts, starts[1:]))
+        return ((tensor(decode_rows), tensor(decode_seqs)),
+                (tensor(prefill_rows), tensor(prefill_seqs), tensor(starts, torch.int32), longest))
 
 
 BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}

@@ -129,3 +129,35 @@ def test_engine_with_triton_backend_matches_torch_backend(bundled_dir):
                 if out.finished:
                     tokens[backend] = out.outputs[0].token_ids
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_mixed_step_sends_decode_rows_to_the_decode_kernel(dtype, monkeypatch):
+    """Decode rows interleaved with prefill chunks: the backend splits them (the prefill kernel sees only the
+    chunks), and the result is the reference's."""
+    from pagekube.engine.attention import TritonAttention
+    from pagekube.engine.model import AttentionMetadata
+
+    bs, dim, gqa = 16, 64, 3
+    shapes = [(1, 40), (bs + 1, bs + 1), (1, 3), (1, 2 * bs + 1), (5, 2 * bs + 3), (1, 17)]
+    qlens, ctx = [n for n, _ in shapes], [c for _, c in shapes]
+    gen, heads, k_cache, v_cache, tables = make_case("m", gqa, dim, bs, dtype, ctx, spare_blocks=2)
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], heads, dim, generator=gen).to(dtype).to(DEVICE)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), block_tables=tables,
+                             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+                             context_lens=torch.tensor(ctx, dtype=torch.int32, device=DEVICE), query_lens=qlens,
+                             context_lens_list=ctx)
+    prefill_batches = []
+    real_prefill = ta.paged_prefill_attention
+
+    def spy(q, k_cache, v_cache, block_tables, *args, **kw):
+        prefill_batches.append(block_tables.shape[0])
+        return real_prefill(q, k_cache, v_cache, block_tables, *args, **kw)
+    monkeypatch.setattr(ta, "paged_prefill_attention", spy)
+    out = TritonAttention().attend(q, k_cache, v_cache, meta, dim**-0.5)
+    assert prefill_batches == [2]  # the two chunks only
+    ref64 = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, starts, ctx, dim**-0.5)
+    assert rel_err(out, ref64) < TOL[dtype]
