@@ -61,6 +61,9 @@ class LLMEngine:
         if draft_config is not None:
             dtype = resolve_dtype(config.dtype, resolve_device(config.device))
             draft_bytes = kv_bytes_per_block(draft_config, config.block_size, dtype)
+        # The draft's weights load first, so the target's pool is sized (on a GPU: profiled) with both models in
+        # memory; the draft's own pool then takes as many blocks as the target's.
+        draft_runner = ModelRunner(config, draft_dir, draft_config, num_blocks=0) if draft_config is not None else None
         self.workers = None  # tensor-parallel ranks 1.. (engine/tp_workers.py)
         shard, control = self._start_tensor_parallel()
         try:
@@ -74,8 +77,11 @@ class LLMEngine:
         if self.speculative:
             from pagekube.engine.draft_model import DraftModelProposer
 
-            self.proposer = (DraftModelProposer(ModelRunner(config, draft_dir, draft_config, self.runner.num_blocks))
-                             if draft_config is not None else NgramProposer(self.speculative))
+            if draft_runner is not None:
+                draft_runner.allocate_kv_pool(self.runner.num_blocks)
+                self.proposer = DraftModelProposer(draft_runner, config.max_num_batched_tokens)
+            else:
+                self.proposer = NgramProposer(self.speculative)
             self.spec_stats = SpecDecodeStats(self.speculative.num_speculative_tokens)
             log.info("speculative decoding: %s, %d tokens per step", self.speculative.method,
                      self.speculative.num_speculative_tokens)

@@ -54,10 +54,11 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir, hf_config, num_blocks: int | None = None,
                  shared_bytes_per_block: int = 0, shard: TPShard = TPShard(), control=None):
-        """`num_blocks`: a draft model's pool has as many blocks as the target's (it reads the same block
-        tables); `shared_bytes_per_block`: what each block also costs elsewhere (that draft pool), so the
-        memory budget is split between them. `shard` and `control` (a gloo group for the step packets): this
-        rank's part under tensor parallelism."""
+        """`num_blocks`: a pool of that many blocks; 0 for none yet (a draft model loads its weights before the
+        target sizes its pool, then gets as many blocks as the target: `allocate_kv_pool`). None: sized from
+        the memory budget, where `shared_bytes_per_block` is what each block also costs elsewhere (the draft's
+        pool). `shard` and `control` (a gloo group for the step packets): this rank's part under tensor
+        parallelism."""
         self.config = config
         self.shard, self.control = shard, control
         self.device = resolve_device(config.device, shard.rank)
@@ -70,12 +71,20 @@ class ModelRunner:
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.num_blocks = num_blocks or self._num_kv_blocks(shared_bytes_per_block)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        if num_blocks == 0:
+            return
+        num_blocks = num_blocks or self._num_kv_blocks(shared_bytes_per_block)
         if shard.size > 1:  # every rank's pool must hold the same blocks: the smallest one's
-            agreed = torch.tensor([self.num_blocks])
+            agreed = torch.tensor([num_blocks])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
-            self.num_blocks = int(agreed)
-        shape = (self.num_blocks, *self.kv_shape)
+            num_blocks = int(agreed)
+        self.allocate_kv_pool(num_blocks)
+
+    def allocate_kv_pool(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        shape = (num_blocks, *self.kv_shape)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)

@@ -230,3 +230,34 @@ def test_a_malformed_speculative_config_is_a_clear_startup_error(bundled_dir):
     out = subprocess.run([sys.executable, "-m", "pagekube.engine.server", str(bundled_dir), "--speculative-config",
                           '{"method": "ngram"}'], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "speculative_config" in out.stderr and "num_speculative_tokens" in out.stderr
+
+
+def test_a_draft_catch_up_is_cut_to_the_token_budget_and_changes_nothing(bundled_dir, tmp_path):
+    draft = write_tiny_llama(tmp_path / "draft", bundled_dir)
+    plain_small = engine(bundled_dir, max_num_batched_tokens=16)
+    llm = engine(bundled_dir, {"model": str(draft), "num_speculative_tokens": 2}, max_num_batched_tokens=16)
+    runner = llm.engine.proposer.runner
+    sizes, forward = [], runner.forward
+
+    def counted(items, *args):
+        sizes.append(sum(len(tokens) for _, _, tokens, _ in items))
+        return forward(items, *args)
+    runner.forward = counted
+    assert token_ids(llm, PROMPTS) == token_ids(plain_small, PROMPTS)
+    assert max(sizes) == 16  # prompts of 20+ tokens were caught up in pieces, none past the budget
+
+
+def test_the_draft_model_is_in_memory_when_the_target_sizes_its_pool(bundled_dir, tmp_path, monkeypatch):
+    """On a GPU the pool takes what memory is left after a profile, so the draft's weights must already be
+    loaded then. No GPU here: the order is what is checked (load_model and the sizing are spied on)."""
+    from pagekube.engine import model_runner
+
+    draft = write_tiny_llama(tmp_path / "draft", bundled_dir)
+    events, load, size = [], model_runner.load_model, model_runner.ModelRunner._num_kv_blocks
+    monkeypatch.setattr(model_runner, "load_model", lambda cfg, path, *a: events.append(f"load {path}") or load(
+        cfg, path, *a))
+    monkeypatch.setattr(model_runner.ModelRunner, "_num_kv_blocks",
+                        lambda self, shared: events.append("size pool") or size(self, shared))
+    llm = engine(bundled_dir, {"model": str(draft), "num_speculative_tokens": 2})
+    assert events == [f"load {draft}", f"load {bundled_dir}", "size pool"]
+    assert llm.engine.proposer.runner.num_blocks == llm.engine.runner.num_blocks
