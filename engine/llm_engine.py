@@ -10,22 +10,18 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from pagekube.engine.block_manager import BlockManager
 from pagekube.engine.config import EngineConfig
-from pagekube.engine.detokenizer import (
-    detokenize_incrementally,
-    find_stop_string,
-    start_detokenizer,
-    streamable_len,
-)
+from pagekube.engine.detokenizer import start_detokenizer
 from pagekube.engine.errors import RequestRejected
 from pagekube.engine.model_files import BUNDLED_NAME, resolve_model_dir
 from pagekube.engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
-from pagekube.engine.outputs import CompletionOutput, RequestOutput
+from pagekube.engine.output_processor import OutputProcessor
+from pagekube.engine.outputs import RequestOutput
 from pagekube.engine.sampler import Sampler
 from pagekube.engine.sampler import rows as logit_rows
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagekube.engine.scheduler import ScheduledBatch, Scheduler
 from pagekube.engine.sequence import Request, Sequence, SequenceStatus
-from pagekube.engine.speculative import NgramProposer, SpecDecodeStats, record_acceptance, wants_proposal
+from pagekube.engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeDecoder
 from pagekube.engine.structured import (
     DEFAULT_GRAMMAR_BACKEND,
     GrammarBackend,
@@ -72,20 +68,19 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        self.proposer = None
-        self.spec_stats = None
+        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
+        self.speculator: SpeculativeDecoder | None = None
         if self.speculative:
             from pagekube.engine.draft_model import DraftModelProposer
 
             if draft_runner is not None:
                 draft_runner.allocate_kv_pool(self.runner.num_blocks)
-                self.proposer = DraftModelProposer(draft_runner, config.max_num_batched_tokens)
+                proposer = DraftModelProposer(draft_runner, config.max_num_batched_tokens)
             else:
-                self.proposer = NgramProposer(self.speculative)
-            self.spec_stats = SpecDecodeStats(self.speculative.num_speculative_tokens)
+                proposer = NgramProposer(self.speculative)
+            self.speculator = SpeculativeDecoder(self.speculative, proposer, self.max_model_len)
             log.info("speculative decoding: %s, %d tokens per step", self.speculative.method,
                      self.speculative.num_speculative_tokens)
-        self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
@@ -93,6 +88,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.grammar_backend: GrammarBackend | None = None  # made with the first structured-outputs request
         self.stat_listeners = list(stat_listeners)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler,
+                                       self.sampler, self.stat_listeners)
         self.served_model_name = config.served_model_name or (
             self.model_dir.name if config.model else BUNDLED_NAME)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MB), device %s, dtype %s, attention %s",
@@ -146,6 +143,14 @@ class LLMEngine:
                 "cache_dtype": str(self.runner.dtype).removeprefix("torch."),
                 "enable_prefix_caching": c.enable_prefix_caching,
                 "gpu_memory_utilization": c.gpu_memory_utilization}
+
+    @property
+    def proposer(self):
+        return self.speculator.proposer if self.speculator is not None else None
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        return self.speculator.stats if self.speculator is not None else None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -225,11 +230,11 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.is_finished:
-                self._finish_seq(seq, "abort", None)
-        self._finalize(req)
+                self.outputs.finish_seq(seq, "abort", None)
+        self.outputs.finalize(req)
         for listener in self.stat_listeners:
             listener.refresh(self)  # gauges must drop now, even if no step follows
-        return self.make_output(req)
+        return self.outputs.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -248,8 +253,8 @@ class LLMEngine:
         sequence where it was and the next step recomputes it; end_step rolls back unconfirmed drafts either way."""
         if self.workers is not None:
             self.workers.check()  # a dead rank: fail now, not in the next collective
-        if self.proposer is not None:
-            self._plan_drafts()
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -263,8 +268,8 @@ class LLMEngine:
         for seq in batch.seqs:
             m = seq.request.metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        if self.proposer is not None:
-            self.proposer.propose(batch)
+        if self.speculator is not None:
+            self.speculator.propose(batch)
         logits, sample_idx, first_rows = self.runner.execute(batch)
         self.scheduler.prefill_done(batch, sample_idx)
         rows, seqs = self._with_pending_forks([batch.seqs[i] for i in sample_idx], first_rows)
@@ -274,20 +279,24 @@ class LLMEngine:
                 self.scheduler.fork(seq.request.seqs[0], seq)
         touched: dict[str, Request] = {}
         for j, seq in enumerate(seqs):
-            self._append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
+            self.outputs.append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
             touched[seq.request.request_id] = seq.request
         speculating = [(seq, row) for seq, row in zip(seqs, rows, strict=True) if seq.spec_tokens]
-        num_generated = len(seqs) + (self._verify(logits, speculating) if speculating else 0)
+        if speculating:
+            num_generated = len(seqs) + self.speculator.verify(logits, speculating, self.sampler,
+                                                               self.outputs.append_token)
+        else:
+            num_generated = len(seqs)
         for listener in self.stat_listeners:
             listener.on_iteration(self, batch.num_batched_tokens, num_generated, batch.num_preempted)
         outputs = []
         for req in touched.values():
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
-                self._finalize(req)
+                self.outputs.finalize(req)
             elif req.params.output_kind == RequestOutputKind.FINAL_ONLY:
                 continue
-            outputs.append(self.make_output(req))
+            outputs.append(self.outputs.make_output(req))
         return outputs
 
     @staticmethod
@@ -304,124 +313,3 @@ class LLMEngine:
                         rows.append(i)
                         seqs.append(child)
         return rows, seqs
-
-    # ---- speculative decoding -----------------------------------------------------------------------------
-    def _plan_drafts(self) -> None:
-        """Drafts for each decoding sequence (none past max_tokens or the model length, none while backed off)."""
-        k_max = self.speculative.num_speculative_tokens
-        for seq in self.scheduler.running:
-            seq.spec_tokens = []
-            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
-                continue  # prefilling, or about to sample its first token (n > 1 forks from it then)
-            k = min(k_max, seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-            if k > 0 and wants_proposal(seq):
-                seq.spec_tokens = self.proposer.plan(seq, k)
-
-    def _verify(self, logits, speculating: list[tuple[Sequence, int]]) -> int:
-        """Keep each sequence's drafts while the target agrees. The token just appended was sampled, with every
-        processor applied, from the row before draft 0; if it equals draft 0, draft 0's KV is valid and the row
-        after it samples the next token, and so on; the first disagreement (or the row after the last draft, the
-        bonus token) ends the sequence's step. Sampling each row exactly as a plain decode would makes greedy
-        output identical, and for sampling it is the rejection rule with a point-mass proposal q: accept draft d
-        with probability min(1, p(d) / q(d)) = p(d), else draw from the residual max(0, p - q), i.e. p without d,
-        renormalized; the outputs are distributed as the target's. Returns the tokens generated here. (Appending
-        the next token is what confirms an accepted draft's KV: scheduler.append_token.)"""
-        generated, pos = 0, 0
-        live = speculating
-        accepted = dict.fromkeys((seq.seq_id for seq, _ in speculating), 0)
-        while live:
-            agreed = [(seq, row) for seq, row in live
-                      if not seq.is_finished and seq.token_ids[-1] == seq.spec_tokens[pos]]
-            for seq, _ in agreed:
-                accepted[seq.seq_id] += 1
-            pos += 1
-            if not agreed:
-                break
-            sampled = self.sampler(logits[[row + pos for _, row in agreed]], [seq for seq, _ in agreed])
-            for j, (seq, _) in enumerate(agreed):
-                self._append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
-            generated += len(agreed)
-            live = [(seq, row) for seq, row in agreed if pos < len(seq.spec_tokens)]
-        for seq, _ in speculating:
-            proposed = len(seq.spec_tokens)
-            self.spec_stats.record(proposed, accepted[seq.seq_id])
-            record_acceptance(seq, proposed, accepted[seq.seq_id])
-        return generated
-
-    def _append_token(self, seq: Sequence, tok: int, logprob: float | None, top: dict[int, float] | None) -> None:
-        """The token joins the sequence (with the progress that produced it), then its text, grammar and stop
-        checks run. An error there is the request's own: it ends (aborted) and the batch goes on."""
-        self.scheduler.append_token(seq, tok)
-        try:
-            self._process_token(seq, tok, logprob, top)
-        except Exception:
-            log.exception("request %s: processing token %d failed; aborting the request", seq.request.request_id, tok)
-            if not seq.is_finished:
-                self._finish_seq(seq, "abort", None)
-
-    def _process_token(self, seq: Sequence, tok: int, logprob: float | None, top: dict[int, float] | None) -> None:
-        req, p = seq.request, seq.request.params
-        now = time.monotonic()
-        m = req.metrics
-        if seq.index == 0:
-            if m.first_token_time is None:
-                m.first_token_time = now
-                for listener in self.stat_listeners:
-                    listener.on_first_token(req)
-            else:
-                m.token_gaps.append(now - m.last_token_time)
-            m.last_token_time = now
-        if p.logprobs is not None:
-            seq.cumulative_logprob += logprob
-            seq.logprobs.append(top)
-        delta = detokenize_incrementally(self.tokenizer, seq, p.skip_special_tokens)
-        if seq.grammar is not None and not seq.grammar.accept_token(tok):
-            # Only when other constraints left no token the grammar allows (e.g. min_tokens banning its stop token).
-            log.warning("request %s: token %d is outside its grammar; finishing it", req.request_id, tok)
-            self._finish_seq(seq, "abort", None)
-        elif seq.grammar is not None and seq.grammar.is_terminated():
-            # The grammar's stop token came: ignore_eos cannot go on past a finished document.
-            self._finish_seq(seq, "stop", None)
-        elif tok in p.stop_token_ids and seq.num_output_tokens >= p.min_tokens:
-            self._finish_seq(seq, "stop", tok)
-        elif tok in self.eos_token_ids and not p.ignore_eos and seq.num_output_tokens >= p.min_tokens:
-            self._finish_seq(seq, "stop", None)
-        elif seq.num_output_tokens >= p.min_tokens and (stop := find_stop_string(seq, delta)) is not None:
-            self._finish_seq(seq, "stop", stop)
-        elif seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish_seq(seq, "length", None)
-
-    def _finish_seq(self, seq: Sequence, reason: str, stop_reason) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.scheduler.finish(seq)
-        self.sampler.release(seq)
-
-    def _finalize(self, req: Request) -> None:
-        req.metrics.finished_time = time.monotonic()
-        for listener in self.stat_listeners:
-            listener.on_request_finished(req)
-
-    def make_output(self, req: Request) -> RequestOutput:
-        """The request's output as its params' output_kind asks: everything so far, or (DELTA) only what is new
-        since the last one, in O(new) work: the choices with new tokens or a finish not yet reported."""
-        delta = req.params.output_kind == RequestOutputKind.DELTA
-        outs = []
-        for s in req.seqs:
-            t0, k0 = (s.sent_text_len, s.sent_tokens) if delta else (0, 0)
-            text_end = streamable_len(s)
-            k1 = s.num_output_tokens
-            if delta:
-                if k1 == k0 and text_end == t0 and (s.finish_reason is None or s.sent_finish):
-                    continue
-                s.sent_text_len, s.sent_tokens, s.sent_finish = text_end, k1, s.finish_reason is not None
-            outs.append(CompletionOutput(
-                index=s.index,
-                text=s.output_text[t0:text_end],
-                token_ids=s.token_ids[s.num_prompt_tokens + k0:],
-                cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
-                logprobs=s.logprobs[k0:] if req.params.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            ))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             req.seqs[0].num_cached_tokens, req.metrics)

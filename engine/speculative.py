@@ -1,8 +1,8 @@
 """Speculative decoding: who proposes draft tokens, and when a sequence stops asking.
 
 A proposer guesses up to k next tokens per decoding sequence; the target model scores them all in the step's one
-forward (k+1 query tokens, like a prefill chunk) and the engine keeps the longest prefix the target agrees with
-(llm_engine.py `_verify`). Proposals never change what is generated, only how many tokens a step yields.
+forward (k+1 query tokens, like a prefill chunk) and `SpeculativeDecoder.verify` keeps the longest prefix the
+target agrees with. Proposals never change what is generated, only how many tokens a step yields.
 
 Methods, named and shaped as vLLM's `--speculative-config`:
 - `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n tokens,
@@ -114,3 +114,59 @@ def wants_proposal(seq: Sequence) -> bool:
 
 def record_acceptance(seq: Sequence, proposed: int, accepted: int) -> None:
     seq.spec_acceptance = ACCEPTANCE_DECAY * seq.spec_acceptance + (1 - ACCEPTANCE_DECAY) * accepted / proposed
+
+
+class SpeculativeDecoder:
+    """Speculation in an engine step: drafts planned before scheduling (`plan`), filled once the scheduler has
+    given them KV slots (`propose`), verified against the target's logits after the forward (`verify`)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int):
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+
+    def plan(self, running: list[Sequence]) -> None:
+        """Drafts for each decoding sequence (none past max_tokens or the model length, none while backed off)."""
+        k_max = self.config.num_speculative_tokens
+        for seq in running:
+            seq.spec_tokens = []
+            if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0:
+                continue  # prefilling, or about to sample its first token (n > 1 forks from it then)
+            k = min(k_max, seq.request.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if k > 0 and wants_proposal(seq):
+                seq.spec_tokens = self.proposer.plan(seq, k)
+
+    def propose(self, batch) -> None:
+        self.proposer.propose(batch)
+
+    def verify(self, logits, speculating: list[tuple[Sequence, int]], sampler, append_token) -> int:
+        """Keep each sequence's drafts while the target agrees. The token just appended was sampled, with every
+        processor applied, from the row before draft 0; if it equals draft 0, draft 0's KV is valid and the row
+        after it samples the next token, and so on; the first disagreement (or the row after the last draft, the
+        bonus token) ends the sequence's step. Sampling each row exactly as a plain decode would makes greedy
+        output identical, and for sampling it is the rejection rule with a point-mass proposal q: accept draft d
+        with probability min(1, p(d) / q(d)) = p(d), else draw from the residual max(0, p - q), i.e. p without d,
+        renormalized; the outputs are distributed as the target's. `append_token` (the output processor's) is
+        what confirms an accepted draft's KV: progress moves with the token. Returns the tokens generated here."""
+        generated, pos = 0, 0
+        live = speculating
+        accepted = dict.fromkeys((seq.seq_id for seq, _ in speculating), 0)
+        while live:
+            agreed = [(seq, row) for seq, row in live
+                      if not seq.is_finished and seq.token_ids[-1] == seq.spec_tokens[pos]]
+            for seq, _ in agreed:
+                accepted[seq.seq_id] += 1
+            pos += 1
+            if not agreed:
+                break
+            sampled = sampler(logits[[row + pos for _, row in agreed]], [seq for seq, _ in agreed])
+            for j, (seq, _) in enumerate(agreed):
+                append_token(seq, sampled.token_ids[j], sampled.logprobs[j], sampled.top_logprobs[j])
+            generated += len(agreed)
+            live = [(seq, row) for seq, row in agreed if pos < len(seq.spec_tokens)]
+        for seq, _ in speculating:
+            proposed = len(seq.spec_tokens)
+            self.stats.record(proposed, accepted[seq.seq_id])
+            record_acceptance(seq, proposed, accepted[seq.seq_id])
+        return generated

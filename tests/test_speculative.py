@@ -177,16 +177,16 @@ def test_speculative_sampling_keeps_the_target_distribution(peaked_target):
 
 def test_the_chi_square_check_catches_a_wrong_acceptance_rule(peaked_target, monkeypatch):
     """The same check fails when the engine keeps the first draft whatever the target sampled."""
-    from pagekube.engine.llm_engine import LLMEngine
+    from pagekube.engine.speculative import SpeculativeDecoder
 
-    verify = LLMEngine._verify
+    verify = SpeculativeDecoder.verify
 
-    def always_accept_first_draft(self, logits, speculating):
+    def always_accept_first_draft(self, logits, speculating, *args):
         for seq, _ in speculating:
             seq.token_ids[-1] = seq.spec_tokens[0]
-        return verify(self, logits, speculating)
+        return verify(self, logits, speculating, *args)
 
-    monkeypatch.setattr(LLMEngine, "_verify", always_accept_first_draft)
+    monkeypatch.setattr(SpeculativeDecoder, "verify", always_accept_first_draft)
     p_values, _ = p_values_per_position(peaked_target)
     assert p_values[0] > 1e-3 and p_values[1] < 1e-6, p_values  # the first token is never speculated
 
