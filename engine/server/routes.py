@@ -1,0 +1,258 @@
+"""The HTTP routes (an APIRouter): health and metrics, the OpenAI API, tokenize/detokenize, and drain-aware
+admission. Responses are rendered by engine/server/rendering.py."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+import pagekube
+from pagekube.engine.async_engine import AsyncEngine, RequestStream
+from pagekube.engine.chat import chat_prompt_ids
+from pagekube.engine.errors import EngineDeadError, RequestRejected
+from pagekube.engine.sampling_params import RequestOutputKind
+from pagekube.engine.server.errors import APIError, error_response
+from pagekube.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from pagekube.engine.server.rendering import (
+    Usage,
+    chat_chunks,
+    chat_logprobs,
+    collect,
+    completion_chunks,
+    completion_logprobs,
+    prompt_text,
+    sse,
+)
+from pagekube.engine.server.state import ServerState
+from pagekube.engine.tool_calls import ToolReply, forced_schema
+
+router = APIRouter()
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.pk
+
+
+# ---- open endpoints ---------------------------------------------------------------------------------------
+@router.get("/health")
+async def health(state: ServerState = Depends(server_state)):
+    if state.healthy:
+        return Response(status_code=200)
+    reason = "draining" if state.draining else ("loading" if state.engine is None else "engine dead")
+    return error_response(503, f"not ready: {reason}", code=reason.replace(" ", "_"))
+
+
+@router.get("/ping")
+async def ping(state: ServerState = Depends(server_state)):
+    return await health(state)
+
+
+@router.get("/version")
+async def version():
+    return {"version": pagekube.__version__}
+
+
+@router.get("/metrics")
+async def metrics(state: ServerState = Depends(server_state)):
+    if state.metrics is None:
+        return Response(b"", media_type=CONTENT_TYPE_LATEST)
+    state.metrics.draining.set(1 if state.draining else 0)
+    if state.engine is not None:  # admitted requests count from admission, tokenizing ones included
+        state.metrics.waiting.set(state.engine.num_waiting())
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+# ---- OpenAI API -------------------------------------------------------------------------------------------
+@router.get("/v1/models")
+async def models(state: ServerState = Depends(server_state)):
+    eng = require_engine(state)
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "pagekube",
+        "root": str(eng.engine.model_dir), "max_model_len": eng.engine.max_model_len}]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: ServerState = Depends(server_state)):
+    eng = require_engine(state)
+    check_model(state, body.model)
+    tok = eng.engine.tokenizer
+    if body.messages:
+        try:
+            ids = await eng.run_tokenizer(chat_prompt_ids, tok, conversation(body.messages), True)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+    elif body.prompt is not None:
+        ids = await eng.run_tokenizer(functools.partial(tok.encode, add_special_tokens=body.add_special_tokens),
+                                      body.prompt)
+    else:
+        raise APIError(400, "give either prompt or messages", param="prompt")
+    return {"count": len(ids), "max_model_len": eng.engine.max_model_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(server_state)):
+    eng = require_engine(state)
+    check_model(state, body.model)
+    vocab = len(eng.engine.tokenizer)
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": await eng.run_tokenizer(eng.engine.tokenizer.decode, body.tokens)}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
+    eng = admit(state, body)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    try:
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        params = build_params(body, max_tokens, body.logprobs)
+        streams = await start_streams(eng, body.prompts(), params, rid, body)
+    finally:
+        eng.release()  # its requests count as waiting on their own now (or it failed)
+    if body.stream:
+        return sse(completion_chunks(state, body, rid, streams), streams)
+    finals = await collect(streams, request)
+    choices = []
+    for i, out in enumerate(finals):
+        prompt = prompt_text(eng, out) if body.echo else ""
+        for o in out.outputs:
+            choices.append({"index": i * body.n + o.index, "text": prompt + o.text, "finish_reason": o.finish_reason,
+                            "stop_reason": o.stop_reason,
+                            "logprobs": completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None})
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": Usage.of(finals).as_dict()}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)):
+    eng = admit(state, body)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    try:
+        ids, params, reply = await chat_request(state, eng, body)
+        streams = await start_streams(eng, [ids], params, rid, body)
+    finally:
+        eng.release()  # its request counts as waiting on its own now (or it failed)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    if body.stream:
+        return sse(chat_chunks(state, body, rid, streams[0], reply), streams)
+    finals = await collect(streams, request)
+    choices = []
+    for o in finals[0].outputs:
+        message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+        if reply is not None:
+            message, finish = reply.fresh().message(o.text, o.finish_reason)
+        choices.append({"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
+                        "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None})
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": Usage.of(finals).as_dict()}
+
+
+# ---- admission ------------------------------------------------------------------------------------------------
+def require_engine(state: ServerState) -> AsyncEngine:
+    if state.engine is None:
+        raise APIError(503, "the model is still loading", code="loading", retry_after=5)
+    if state.engine.dead is not None:
+        raise APIError(503, "the engine has stopped", code="engine_dead")
+    return state.engine
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
+    eng = require_engine(state)
+    check_model(state, body.model)
+    if state.draining:
+        raise APIError(503, "the server is draining (shutting down); retry on another replica", code="draining",
+                       retry_after=1)
+    if eng.num_waiting() >= state.config.max_waiting_requests:
+        raise APIError(429, f"the queue is full ({state.config.max_waiting_requests} waiting requests)",
+                       code="queue_full", retry_after=1)
+    eng.reserve()  # counted as waiting from here: the handler releases it once its requests are added
+    return eng
+
+
+async def chat_request(state: ServerState, eng: AsyncEngine, body: ChatCompletionRequest):
+    """The prompt ids (chat template applied, on the tokenizer thread), sampling params and tool-call handling."""
+    choice = body.effective_tool_choice()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools and choice != "none" else None
+    try:
+        ids = await eng.run_tokenizer(chat_prompt_ids, eng.engine.tokenizer, conversation(body.messages),
+                                      body.add_generation_prompt, tools)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = build_params(body, body.max_completion_tokens or body.max_tokens, top)
+    reply = tool_reply(state, body, choice)
+    if reply is not None and (forced := forced_schema(tools, choice)) is not None:
+        if body.structured_fields():
+            raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
+                                f"already constrains the output; drop {body.structured_fields()[0]}",
+                           param="tool_choice", code="invalid_request")
+        params = params.model_copy(update={"structured_outputs": forced})
+    return ids, params, reply
+
+
+def build_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
+    # Streams get only what is new at each step; a plain response only the final output.
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return body.sampling_params(max_tokens, logprobs, kind)
+    except ValidationError as e:  # a combination the request model alone cannot judge (e.g. min_tokens > max_tokens)
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err["loc"]) or None
+        raise APIError(400, f"{param + ': ' if param else ''}{err['msg']}", param=param, code="invalid_request") from e
+
+
+async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str, body: SamplingFields) -> list[RequestStream]:
+    """One engine request per prompt, with ids derived from the API request's (`rid`, or `rid-i` for several),
+    so the engine's per-request log lines name what the client saw."""
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            streams.append(await eng.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}"))
+    except RequestRejected as e:
+        for s in streams:
+            s.engine.abort(s.request_id)
+        param = e.param
+        if param and param.startswith("structured_outputs") and body.structured_fields():
+            param = body.structured_fields()[0]  # the field the client sent: response_format, guided_json...
+        raise APIError(400, str(e), param=param, code="invalid_request") from e
+    except EngineDeadError as e:
+        for s in streams:
+            s.engine.abort(s.request_id)
+        raise APIError(503, str(e), code="engine_dead") from e
+    return streams
+
+
+def conversation(messages) -> list[dict]:
+    return [m.as_template_input() for m in messages]
+
+
+def tool_reply(state: ServerState, body: ChatCompletionRequest, choice) -> ToolReply | None:
+    """How this request's replies become tool calls; None when no tools are in play."""
+    if choice == "none":
+        return None
+    if isinstance(choice, dict):
+        return ToolReply("named", function=choice["function"]["name"])
+    if choice == "required":
+        return ToolReply("required")
+    if not (state.config.enable_auto_tool_choice and state.config.tool_call_parser):
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+                            '(or send tool_choice "required", "none" or a named function)', param="tool_choice",
+                       code="invalid_request")
+    return ToolReply("auto", parser=state.config.tool_call_parser)

@@ -1,0 +1,30 @@
+"""What the server's routes share: the config, the engine once loaded, metrics and the drain flag."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagekube.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from pagekube.engine.async_engine import AsyncEngine
+    from pagekube.engine.server.metrics import EngineMetrics
+
+
+@dataclass
+class ServerState:
+    config: EngineConfig
+    engine: AsyncEngine | None = None
+    metrics: EngineMetrics | None = None
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.engine.served_model_name
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine is not None and not self.draining and self.engine.dead is None
