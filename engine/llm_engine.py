@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Protocol
 
@@ -86,6 +87,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
+        self._owner: int | None = None  # the thread that steps the engine (claimed by its first step/enqueue)
         self.grammar_backend: GrammarBackend | None = None  # made with the first structured-outputs request
         self.stat_listeners = list(stat_listeners)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len, self.scheduler,
@@ -220,11 +222,23 @@ class LLMEngine:
             raise RequestRejected(f"the {so.kind} for structured outputs does not compile: {e}",
                                   f"structured_outputs.{so.kind}") from e
 
+    def _check_owner(self, what: str) -> None:
+        """Engine state has one owner thread (the server's engine-loop; the caller's, offline): other threads
+        go through AsyncEngine's command queue. Claimed by the first call, checked on every later one."""
+        me = threading.get_ident()
+        if self._owner is None:
+            self._owner = me
+        elif me != self._owner:
+            raise RuntimeError(f"LLMEngine.{what} called from thread {threading.current_thread().name!r}; the engine "
+                               "belongs to the thread that first stepped it (send commands through AsyncEngine)")
+
     def enqueue(self, req: Request) -> None:
+        self._check_owner("enqueue")
         self.requests[req.request_id] = req
         self.scheduler.add(req.seqs[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        self._check_owner("abort_request")
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -251,6 +265,7 @@ class LLMEngine:
         """One iteration: schedule, forward, sample, apply the output. Progress moves only with the output (the
         scheduler's prefill_done / append_token), so a step that raises (a sampler error, Ctrl-C) leaves every
         sequence where it was and the next step recomputes it; end_step rolls back unconfirmed drafts either way."""
+        self._check_owner("step")
         if self.workers is not None:
             self.workers.check()  # a dead rank: fail now, not in the next collective
         if self.speculator is not None:

@@ -111,3 +111,23 @@ def test_an_error_in_one_requests_output_processing_ends_only_that_request(tiny_
     assert {rid: o.token_ids for rid, o in finals.items() if rid != "1"} == {
         rid: t for rid, t in expected.items() if rid != "1"}
     assert engine.block_manager.usage == 0.0
+
+
+def test_engine_state_is_touched_only_by_its_owner_thread(tiny_engine_factory):
+    import threading
+
+    engine = tiny_engine_factory()
+    engine.add_request("a", PROMPTS[0], GREEDY)  # this thread owns the engine now
+    errors = []
+
+    def intruder():
+        for call in (engine.step, lambda: engine.abort_request("a"), lambda: engine.add_request("b", [1, 2], GREEDY)):
+            try:
+                call()
+            except RuntimeError as e:
+                errors.append(str(e))
+    t = threading.Thread(target=intruder, name="intruder")
+    t.start()
+    t.join()
+    assert len(errors) == 3 and all("'intruder'" in e for e in errors)
+    assert run_to_end(engine)["a"]  # the owner goes on undisturbed
