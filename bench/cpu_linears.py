@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pagekube.engine import SamplingParams, gguf_linears
+from pagekube.engine import SamplingParams
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
-from pagekube.engine.model_files import resolve_model_dir
+from pagekube.engine.model.layers import gguf_linears
+from pagekube.engine.model.model_files import resolve_model_dir
 from pagekube.kernels import cpu_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

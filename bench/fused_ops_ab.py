@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import pagekube.engine.model as model
+import pagekube.engine.model.model as model
 from pagekube.engine import SamplingParams
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine

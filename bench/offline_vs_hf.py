@@ -39,7 +39,7 @@ def peak_rss_mb() -> float:
 def resolved_dtype(name: str):
     import torch
 
-    from pagekube.engine.model_runner import resolve_dtype
+    from pagekube.engine.model.model_runner import resolve_dtype
 
     return resolve_dtype(name, torch.device("cpu"))
 
@@ -50,7 +50,7 @@ def kv_bytes_for(batch: int, max_len: int, dtype) -> int:
     from transformers import AutoConfig
 
     from pagekube.engine.config import EngineConfig
-    from pagekube.engine.model_files import resolve_model_dir
+    from pagekube.engine.model.model_files import resolve_model_dir
 
     c = AutoConfig.from_pretrained(resolve_model_dir(None))
     block = EngineConfig().block_size
@@ -79,7 +79,7 @@ def run_hf(prompts, outputs, batch: int, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagekube.engine.model_files import resolve_model_dir
+    from pagekube.engine.model.model_files import resolve_model_dir
 
     path = resolve_model_dir(None)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved_dtype(dtype)).eval()

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plotting import pyplot, save  # noqa: E402
 from bench.serve_bench import WORDS, run_client  # noqa: E402
-from pagekube.engine.model_files import BUNDLED_NAME, bundled_model_file, resolve_model_dir  # noqa: E402
+from pagekube.engine.model.model_files import BUNDLED_NAME, bundled_model_file, resolve_model_dir  # noqa: E402
 from tests.server_process import ServerProcess, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

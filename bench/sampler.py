@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.legacy_sampler import LegacySampler  # noqa: E402
 from bench.plotting import pyplot, save  # noqa: E402
-from pagekube.engine.sampler import Sampler  # noqa: E402
+from pagekube.engine.core.sequence import Request  # noqa: E402
+from pagekube.engine.sample.sampler import Sampler  # noqa: E402
 from pagekube.engine.sampling_params import SamplingParams  # noqa: E402
-from pagekube.engine.sequence import Request  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Kubernetes schedules pods onto nodes by", "The three primary colors are", "SELECT name FROM users WHERE"]
@@ -36,7 +36,7 @@ def model_logits(rows: int, vocab: int, flat: bool) -> torch.Tensor:
         return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagekube.engine.model_files import resolve_model_dir
+    from pagekube.engine.model.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(None)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -49,7 +49,7 @@ def main() -> None:
     if args.smoke:
         args.batch, args.max_tokens = 2, 3
     from pagekube.engine import LLM, SamplingParams
-    from pagekube.engine.model_files import resolve_model_dir
+    from pagekube.engine.model.model_files import resolve_model_dir
 
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagekube.engine.speculative import SpeculativeConfig
+from pagekube.engine.spec_decode.speculative import SpeculativeConfig
 
 
 class EngineConfig(BaseModel):

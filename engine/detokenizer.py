@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from pagekube.engine.sequence import Sequence
+from pagekube.engine.core.sequence import Sequence
 
 CONTEXT_TOKENS = 5  # earlier tokens decoded along, so a token's leading space or merge decodes right
 

@@ -19,7 +19,7 @@ from pagekube.engine.config import EngineConfig
 def flag_schema() -> dict:
     import torch
 
-    from pagekube.engine.attention import BACKENDS
+    from pagekube.engine.model.attention import BACKENDS
 
     schema = EngineConfig.model_json_schema()
     for name, prop in schema["properties"].items():

@@ -9,28 +9,28 @@ from typing import Protocol
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from pagekube.engine.block_manager import BlockManager
 from pagekube.engine.config import EngineConfig
+from pagekube.engine.core.block_manager import BlockManager
+from pagekube.engine.core.scheduler import ScheduledBatch, Scheduler
+from pagekube.engine.core.sequence import Request, Sequence, SequenceStatus
 from pagekube.engine.detokenizer import start_detokenizer
+from pagekube.engine.distributed.tensor_parallel import TPShard, unsupported
+from pagekube.engine.distributed.tp_workers import Workers, init_distributed
 from pagekube.engine.errors import RequestRejected
-from pagekube.engine.model_files import BUNDLED_NAME, resolve_model_dir
-from pagekube.engine.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
+from pagekube.engine.model.model_files import BUNDLED_NAME, resolve_model_dir
+from pagekube.engine.model.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
 from pagekube.engine.output_processor import OutputProcessor
 from pagekube.engine.outputs import RequestOutput
-from pagekube.engine.sampler import Sampler
-from pagekube.engine.sampler import rows as logit_rows
+from pagekube.engine.sample.sampler import Sampler
+from pagekube.engine.sample.sampler import rows as logit_rows
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
-from pagekube.engine.scheduler import ScheduledBatch, Scheduler
-from pagekube.engine.sequence import Request, Sequence, SequenceStatus
-from pagekube.engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeDecoder
+from pagekube.engine.spec_decode.speculative import NgramProposer, SpecDecodeStats, SpeculativeDecoder
 from pagekube.engine.structured import (
     DEFAULT_GRAMMAR_BACKEND,
     GrammarBackend,
     GrammarError,
     make_grammar_backend,
 )
-from pagekube.engine.tensor_parallel import TPShard, unsupported
-from pagekube.engine.tp_workers import Workers, init_distributed
 
 log = logging.getLogger("pagekube.engine")
 
@@ -61,7 +61,7 @@ class LLMEngine:
         # The draft's weights load first, so the target's pool is sized (on a GPU: profiled) with both models in
         # memory; the draft's own pool then takes as many blocks as the target's.
         draft_runner = ModelRunner(config, draft_dir, draft_config, num_blocks=0) if draft_config is not None else None
-        self.workers = None  # tensor-parallel ranks 1.. (engine/tp_workers.py)
+        self.workers = None  # tensor-parallel ranks 1.. (engine/distributed/tp_workers.py)
         shard, control = self._start_tensor_parallel()
         try:
             self.runner = ModelRunner(config, self.model_dir, self.hf_config, shared_bytes_per_block=draft_bytes,
@@ -72,7 +72,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or getattr(self.hf_config, "max_position_embeddings", 2048)
         self.speculator: SpeculativeDecoder | None = None
         if self.speculative:
-            from pagekube.engine.draft_model import DraftModelProposer
+            from pagekube.engine.spec_decode.draft_model import DraftModelProposer
 
             if draft_runner is not None:
                 draft_runner.allocate_kv_pool(self.runner.num_blocks)

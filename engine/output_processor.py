@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import time
 
+from pagekube.engine.core.scheduler import Scheduler
+from pagekube.engine.core.sequence import Request, Sequence
 from pagekube.engine.detokenizer import detokenize_incrementally, find_stop_string, streamable_len
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampling_params import RequestOutputKind
-from pagekube.engine.scheduler import Scheduler
-from pagekube.engine.sequence import Request, Sequence
 
 log = logging.getLogger("pagekube.engine")
 

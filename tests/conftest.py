@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagekube.engine.model_files import resolve_model_dir
+from pagekube.engine.model.model_files import resolve_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagekube.engine import block_hash as hashing
-from pagekube.engine.block_manager import BlockManager
+from pagekube.engine.core import block_hash as hashing
+from pagekube.engine.core.block_manager import BlockManager
+from pagekube.engine.core.sequence import Request, Sequence
 from pagekube.engine.sampling_params import SamplingParams
-from pagekube.engine.sequence import Request, Sequence
 
 BS = 4
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagekube.engine.model import RMSNorm, rotate_half
+from pagekube.engine.model.model import RMSNorm, rotate_half
 from pagekube.kernels import cpu_ops
 from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import yaml
 
-from pagekube.engine.attention import make_backend
 from pagekube.engine.cli import build_parser, config_from_args
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.flags import flag_schema_json
+from pagekube.engine.model.attention import make_backend
 from pagekube.operator import engine_flags
 from pagekube.operator.engine_deployment import engine_args
 from pagekube.operator.spec import EngineSpec, LLMDeploymentSpec

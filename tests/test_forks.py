@@ -7,9 +7,9 @@ import random
 import pytest
 
 from pagekube.engine import SamplingParams
-from pagekube.engine.block_manager import BlockManager
+from pagekube.engine.core.block_manager import BlockManager
+from pagekube.engine.core.sequence import Request
 from pagekube.engine.llm_engine import LLMEngine
-from pagekube.engine.sequence import Request
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[list[int]]]:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pagekube.engine import gguf_linears
-from pagekube.engine.model import Linear
+from pagekube.engine.model.layers import gguf_linears
+from pagekube.engine.model.model import Linear
 from pagekube.kernels import cpu_ops
 
 
@@ -74,7 +74,7 @@ def test_converter_keeps_every_bundled_linear_exactly(bundled_dir):
 
 def test_extract_skips_a_tensor_whose_rows_do_not_match(bundled_dir):
     """A weight the GGUF's blocks do not reproduce (here: rows shuffled) is left to the bf16 path, never served."""
-    from pagekube.engine.model_files import bundled_model_file
+    from pagekube.engine.model.model_files import bundled_model_file
 
     state = load_file(bundled_dir / "model.safetensors")
     name, other = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"

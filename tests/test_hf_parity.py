@@ -7,10 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagekube.engine import SamplingParams
-from pagekube.engine.attention import TorchAttention
 from pagekube.engine.config import EngineConfig
-from pagekube.engine.model import AttentionMetadata
-from pagekube.engine.model_loader import load_model
+from pagekube.engine.model.attention import TorchAttention
+from pagekube.engine.model.model import AttentionMetadata
+from pagekube.engine.model.model_loader import load_model
 from tests.conftest import write_tiny_llama
 
 LONG = ("Kubernetes is an open-source system for automating deployment, scaling, and management of containerized "

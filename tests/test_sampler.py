@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bench.legacy_sampler import LegacySampler
-from pagekube.engine.sampler import TOP_P_TIERS, Sampler
+from pagekube.engine.core.sequence import Request
+from pagekube.engine.sample.sampler import TOP_P_TIERS, Sampler
 from pagekube.engine.sampling_params import SamplingParams
-from pagekube.engine.sequence import Request
 
 VOCAB = 4096
 

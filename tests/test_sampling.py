@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from pagekube.engine import SamplingParams
+from pagekube.engine.core.sequence import Request
 from pagekube.engine.detokenizer import detokenize_incrementally, start_detokenizer
-from pagekube.engine.sequence import Request
 
 PROMPT = "Once upon a time, in a small village,"
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}]

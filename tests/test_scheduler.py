@@ -7,10 +7,10 @@ import random
 import pytest
 
 from pagekube.engine import SamplingParams
-from pagekube.engine.block_manager import BlockManager
+from pagekube.engine.core.block_manager import BlockManager
+from pagekube.engine.core.scheduler import Scheduler
+from pagekube.engine.core.sequence import Request
 from pagekube.engine.llm_engine import LLMEngine, RequestRejected
-from pagekube.engine.scheduler import Scheduler
-from pagekube.engine.sequence import Request
 
 
 def make_seq(rid: str, n_tokens: int):

@@ -9,7 +9,7 @@ import torch
 
 from pagekube.engine import LLM, SamplingParams
 from pagekube.engine.sampling_params import StructuredOutputsParams
-from pagekube.engine.speculative import SpeculativeConfig
+from pagekube.engine.spec_decode.speculative import SpeculativeConfig
 from tests.conftest import write_tiny_llama
 
 # Outputs that copy from the prompt (where n-gram lookup pays), and one that does not.
@@ -177,7 +177,7 @@ def test_speculative_sampling_keeps_the_target_distribution(peaked_target):
 
 def test_the_chi_square_check_catches_a_wrong_acceptance_rule(peaked_target, monkeypatch):
     """The same check fails when the engine keeps the first draft whatever the target sampled."""
-    from pagekube.engine.speculative import SpeculativeDecoder
+    from pagekube.engine.spec_decode.speculative import SpeculativeDecoder
 
     verify = SpeculativeDecoder.verify
 
@@ -250,7 +250,7 @@ def test_a_draft_catch_up_is_cut_to_the_token_budget_and_changes_nothing(bundled
 def test_the_draft_model_is_in_memory_when_the_target_sizes_its_pool(bundled_dir, tmp_path, monkeypatch):
     """On a GPU the pool takes what memory is left after a profile, so the draft's weights must already be
     loaded then. No GPU here: the order is what is checked (load_model and the sizing are spied on)."""
-    from pagekube.engine import model_runner
+    from pagekube.engine.model import model_runner
 
     draft = write_tiny_llama(tmp_path / "draft", bundled_dir)
     events, load, size = [], model_runner.load_model, model_runner.ModelRunner._num_kv_blocks

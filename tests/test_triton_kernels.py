@@ -135,8 +135,8 @@ def test_engine_with_triton_backend_matches_torch_backend(bundled_dir):
 def test_a_mixed_step_sends_decode_rows_to_the_decode_kernel(dtype, monkeypatch):
     """Decode rows interleaved with prefill chunks: the backend splits them (the prefill kernel sees only the
     chunks), and the result is the reference's."""
-    from pagekube.engine.attention import TritonAttention
-    from pagekube.engine.model import AttentionMetadata
+    from pagekube.engine.model.attention import TritonAttention
+    from pagekube.engine.model.model import AttentionMetadata
 
     bs, dim, gqa = 16, 64, 3
     shapes = [(1, 40), (bs + 1, bs + 1), (1, 3), (1, 2 * bs + 1), (5, 2 * bs + 3), (1, 17)]

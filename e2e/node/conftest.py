@@ -48,7 +48,7 @@ def operator_release(node):
 @pytest.fixture(scope="session")
 def model_claim(node):
     """PersistentVolumeClaim `models` holding the bundled model (converted to a Hugging Face folder) at smollm2/."""
-    from pagekube.engine.model_files import resolve_model_dir
+    from pagekube.engine.model.model_files import resolve_model_dir
 
     root = node.workdir / "models"
     shutil.copytree(resolve_model_dir(None), root / "smollm2")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagekube.engine.sequence import Request
+from pagekube.engine.core.sequence import Request
 
 prometheus_client.disable_created_metrics()
 ENGINE_INDEX = "0"  # vLLM v1's `engine` label: one engine core per server here
@@ -86,7 +86,7 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort"):
             self.success.labels(*values, reason)
         self._cache_seen = (0, 0)
-        self.spec_stats = spec_stats  # speculative decoding's counters (engine/speculative.py), when it is on
+        self.spec_stats = spec_stats  # speculative decoding's counters (engine/spec_decode/speculative.py), when it is on
         if spec_stats is not None:  # as vLLM: these series exist only when speculation is configured
             self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Sequence-steps that carried draft tokens")
             self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed")

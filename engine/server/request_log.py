@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pagekube.engine.sequence import Request
+from pagekube.engine.core.sequence import Request
 
 log = logging.getLogger("pagekube.requests")
 

@@ -102,5 +102,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def uses_fused_ops(x: torch.Tensor) -> bool:
-    """Whether the fused small ops apply to a bf16 CPU activation (engine/model.py has their torch equivalents)."""
+    """Whether the fused small ops apply to a bf16 CPU activation (engine/model/model.py has their torch equivalents)."""
     return loaded() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.is_contiguous()

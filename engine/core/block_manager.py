@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pagekube.engine import block_hash as hashing
-from pagekube.engine.sequence import Sequence
+from pagekube.engine.core import block_hash as hashing
+from pagekube.engine.core.sequence import Sequence
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A GGUF file is dequantized once into a Hugging Face directory under the cache (PAGEKUBE_CACHE_DIR, default
 ~/.cache/pagekube): converting its tokenizer alone takes transformers ~25 s, too slow for every start. Its Q4_1
-linears are also kept in their blocks, for the CPU kernel (engine/gguf_linears.py).
+linears are also kept in their blocks, for the CPU kernel (engine/model/layers/gguf_linears.py).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def convert_gguf(gguf: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagekube.engine import gguf_linears
+    from pagekube.engine.model.layers import gguf_linears
 
     log.info("converting %s (%.1f MB) to a Hugging Face directory, once: %s", gguf.name, stat.st_size / 1e6, target)
     start = time.monotonic()

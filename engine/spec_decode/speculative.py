@@ -7,7 +7,7 @@ target agrees with. Proposals never change what is generated, only how many toke
 Methods, named and shaped as vLLM's `--speculative-config`:
 - `ngram` (prompt lookup): the tokens that followed the latest earlier occurrence of the sequence's last n tokens,
   n from prompt_lookup_max down to prompt_lookup_min. No model; pays on outputs that copy from the prompt.
-- `draft_model`: a small model with the target's vocabulary (engine/draft_model.py).
+- `draft_model`: a small model with the target's vocabulary (engine/spec_decode/draft_model.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagekube.engine.sequence import Sequence
+from pagekube.engine.core.sequence import Sequence
 
 # Back-off: a sequence whose recent acceptance (an exponential average of accepted / proposed) falls below this
 # stops proposing, but probes again every BACKOFF_PROBE_STEPS steps, so a copy-heavy stretch later is still found.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from pagekube.engine.model_runner import ModelRunner
-from pagekube.engine.scheduler import ScheduledBatch
-from pagekube.engine.sequence import Sequence
+from pagekube.engine.core.scheduler import ScheduledBatch
+from pagekube.engine.core.sequence import Sequence
+from pagekube.engine.model.model_runner import ModelRunner
 
 PLACEHOLDER = -1  # planned draft slots, filled by propose() once the scheduler has given them KV space
 

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pagekube.engine import gguf_linears
-from pagekube.engine.model import CausalLM
-from pagekube.engine.tensor_parallel import TPShard
+from pagekube.engine.distributed.tensor_parallel import TPShard
+from pagekube.engine.model.layers import gguf_linears
+from pagekube.engine.model.model import CausalLM
 from pagekube.kernels import cpu_ops
 
 log = logging.getLogger("pagekube.engine")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagekube.engine.sequence import Sequence
+from pagekube.engine.core.sequence import Sequence
 
 
 class PenaltyState:

@@ -37,9 +37,9 @@ def init_distributed(rank: int, size: int, port: int, device: torch.device):
 def worker_main(rank: int, size: int, port: int, config, model_dir) -> None:
     from transformers import AutoConfig
 
+    from pagekube.engine.distributed.tensor_parallel import TPShard
     from pagekube.engine.logging_setup import setup_logging
-    from pagekube.engine.model_runner import ModelRunner, resolve_device
-    from pagekube.engine.tensor_parallel import TPShard
+    from pagekube.engine.model.model_runner import ModelRunner, resolve_device
 
     setup_logging()
     control = init_distributed(rank, size, port, resolve_device(config.device, rank))

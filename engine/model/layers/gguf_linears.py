@@ -102,7 +102,7 @@ def attach(model: torch.nn.Module, model_dir: Path) -> int:
     """Give each Linear whose rows all have Q4_1 blocks in model_dir its Q4Weight (`.q4`); returns how many."""
     from safetensors import safe_open
 
-    from pagekube.engine.model import Linear
+    from pagekube.engine.model.model import Linear
 
     path = model_dir / FILE
     if not path.exists():

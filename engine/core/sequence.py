@@ -44,7 +44,7 @@ class Sequence:
         self.sent_tokens = self.sent_text_len = 0
         self.sent_finish = False
         self.grammar = None  # a structured-outputs matcher (engine/structured/) when the request is constrained
-        # Speculative decoding (engine/speculative.py): this step's draft tokens (not in token_ids until accepted),
+        # Speculative decoding (engine/spec_decode/speculative.py): this step's draft tokens (not in token_ids until accepted),
         # how many tokens a draft model's own KV holds, and the recent acceptance that drives the back-off.
         self.spec_tokens: list[int] = []
         self.num_draft_computed = 0

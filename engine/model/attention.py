@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagekube.engine.model import AttentionMetadata
+from pagekube.engine.model.model import AttentionMetadata
 from pagekube.kernels.cpu_ops import uses_decode_kernel
 from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 

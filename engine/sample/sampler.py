@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagekube.engine.penalties import PenaltyState
-from pagekube.engine.sequence import Sequence
+from pagekube.engine.core.sequence import Sequence
+from pagekube.engine.sample.penalties import PenaltyState
 
 # A top-p row samples among its top 256 tokens when they hold top_p of the mass, else among its top 4096, else it
 # sorts the whole vocabulary: each tier is exact, and most rows of a language model stop at the first.

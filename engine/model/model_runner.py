@@ -12,12 +12,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from pagekube.engine.attention import make_backend
 from pagekube.engine.config import EngineConfig
-from pagekube.engine.model import AttentionMetadata
-from pagekube.engine.model_loader import load_model
-from pagekube.engine.scheduler import ScheduledBatch
-from pagekube.engine.tensor_parallel import TPShard
+from pagekube.engine.core.scheduler import ScheduledBatch
+from pagekube.engine.distributed.tensor_parallel import TPShard
+from pagekube.engine.model.attention import make_backend
+from pagekube.engine.model.model import AttentionMetadata
+from pagekube.engine.model.model_loader import load_model
 from pagekube.kernels.cpu_ops import cpu_supports_bf16_dot, load_cpu_kernels
 
 FORWARD, STOP = 1, 2  # packet commands, rank 0 -> workers

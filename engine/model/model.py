@@ -15,7 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from pagekube.engine.tensor_parallel import TPShard, all_reduce, gather_logits
+from pagekube.engine.distributed.tensor_parallel import TPShard, all_reduce, gather_logits
 from pagekube.kernels.cpu_ops import linear, q4_linear, uses_bf16_kernel, uses_fused_ops, uses_q4_kernel
 
 
@@ -70,7 +70,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear through kernels.cpu_ops (faster small-batch kernels on CPUs that have them). `q4`: the same
-    weights in a GGUF file's Q4_1 blocks (engine/gguf_linears.py), read instead of `weight` at one or two rows."""
+    weights in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` at one or two rows."""
 
     q4 = None
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagekube.engine.block_manager import BlockManager
-from pagekube.engine.sequence import Sequence, SequenceStatus
+from pagekube.engine.core.block_manager import BlockManager
+from pagekube.engine.core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Tensor parallelism: shards, collectives and the worker processes."""

@@ -1,0 +1,1 @@
+"""The sampler and its per-sequence penalty state."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: the config, proposers (n-gram, draft model) and verification."""
