@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from pagekube.engine import llm_engine as engine_module
+from pagekube.engine import output_processor as engine_module
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
