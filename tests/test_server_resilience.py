@@ -237,3 +237,32 @@ def test_a_dead_worker_reported_by_the_watchdog_fails_open_streams_at_once():
     assert "rank 1 died" in str(err) and engine.dead is not None  # while the loop is still stuck in its step
     stuck.release.set()
     engine.shutdown(timeout=5)
+
+
+def test_logprob_token_strings_are_decoded_on_the_tokenizer_thread(tiny_dir, monkeypatch):
+    from pagekube.engine.server import rendering
+
+    threads = []
+    real = rendering.token_strings
+    monkeypatch.setattr(rendering, "token_strings",
+                        lambda tok, ids: threads.append(threading.current_thread().name) or real(tok, ids))
+    state = ServerState(EngineConfig(model=str(tiny_dir)))
+    state.engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_dir))))
+
+    async def ask():
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
+            chat = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+                "top_logprobs": 2})
+            plain = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logprobs": 2,
+                                                               "stream": True})
+            return chat, plain
+    try:
+        chat, plain = asyncio.run(ask())
+    finally:
+        state.engine.shutdown()
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and c["token"] for c in content)
+    assert plain.status_code == 200 and '"top_logprobs"' in plain.text
+    assert threads and all(name.startswith("tokenizer") for name in threads), threads

@@ -131,7 +131,7 @@ async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -
             yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                    "choices": [{"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
                                 "stop_reason": o.stop_reason,
-                                "logprobs": completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None}]}
+                                "logprobs": await completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None}]}
         if out.finished:
             counts.add_request(out)
     if body.stream_options and body.stream_options.include_usage:
@@ -153,7 +153,7 @@ async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: Requ
     async for out in stream:
         for o in out.outputs:
             counts.completion += len(o.token_ids)
-            logprobs = chat_logprobs(eng, o.token_ids, o.logprobs, body.top_logprobs or 0) if body.logprobs else None
+            logprobs = await chat_logprobs(eng, o.token_ids, o.logprobs, body.top_logprobs or 0) if body.logprobs else None
             if replies is None:
                 yield chunk([{"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": logprobs,
                               "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])
@@ -184,25 +184,40 @@ def prompt_text(eng: AsyncEngine, out: RequestOutput) -> str:
     return out.prompt or eng.engine.tokenizer.decode(out.prompt_token_ids)
 
 
-def _token_str(eng: AsyncEngine, tok: int) -> str:
-    return eng.engine.tokenizer.decode([tok])
+def token_strings(tokenizer, ids: set[int]) -> dict[int, str]:
+    """Each token id as text, decoded alone (vLLM's logprobs tokens), in one batch call."""
+    ordered = sorted(ids)
+    return dict(zip(ordered, tokenizer.batch_decode([[t] for t in ordered]), strict=True))
 
 
-def completion_logprobs(eng: AsyncEngine, token_ids: list[int], logprobs: list[dict] | None) -> dict:
+async def _strings(eng: AsyncEngine, token_ids: list[int], logprobs: list[dict]) -> dict[int, str]:
+    """The strings of the sampled tokens and their alternatives, decoded on the tokenizer thread (a step's worth
+    of top-k alternatives would otherwise be decoded one by one on the event loop, stalling every stream)."""
+    ids = set(token_ids)
+    for lp in logprobs:
+        ids.update(lp)
+    return await eng.run_tokenizer(token_strings, eng.engine.tokenizer, ids)
+
+
+async def completion_logprobs(eng: AsyncEngine, token_ids: list[int], logprobs: list[dict] | None) -> dict:
+    pairs = list(zip(token_ids, logprobs or [], strict=False))
+    text = await _strings(eng, [t for t, _ in pairs], [lp for _, lp in pairs])
     tokens, lps, tops = [], [], []
-    for tok, lp in zip(token_ids, logprobs or [], strict=False):
-        tokens.append(_token_str(eng, tok))
+    for tok, lp in pairs:
+        tokens.append(text[tok])
         lps.append(lp[tok])
-        tops.append({_token_str(eng, t): v for t, v in lp.items()})
+        tops.append({text[t]: v for t, v in lp.items()})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
 
 
-def chat_logprobs(eng: AsyncEngine, token_ids: list[int], logprobs: list[dict] | None, top_k: int) -> dict:
+async def chat_logprobs(eng: AsyncEngine, token_ids: list[int], logprobs: list[dict] | None, top_k: int) -> dict:
+    pairs = list(zip(token_ids, logprobs or [], strict=False))
+    text = await _strings(eng, [t for t, _ in pairs], [lp for _, lp in pairs])
     content = []
-    for tok, lp in zip(token_ids, logprobs or [], strict=False):
-        s = _token_str(eng, tok)
+    for tok, lp in pairs:
+        s = text[tok]
         top = sorted(lp.items(), key=lambda x: -x[1])[:top_k]
         content.append({"token": s, "logprob": lp[tok], "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": (ts := _token_str(eng, t)), "logprob": v, "bytes": list(ts.encode())}
+                        "top_logprobs": [{"token": text[t], "logprob": v, "bytes": list(text[t].encode())}
                                          for t, v in top]})
     return {"content": content}

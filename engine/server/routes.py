@@ -129,7 +129,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         for o in out.outputs:
             choices.append({"index": i * body.n + o.index, "text": prompt + o.text, "finish_reason": o.finish_reason,
                             "stop_reason": o.stop_reason,
-                            "logprobs": completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None})
+                            "logprobs": await completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
             "choices": choices, "usage": Usage.of(finals).as_dict()}
 
@@ -153,7 +153,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         if reply is not None:
             message, finish = reply.fresh().message(o.text, o.finish_reason)
         choices.append({"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
-                        "logprobs": chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None})
+                        "logprobs": await chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
             "choices": choices, "usage": Usage.of(finals).as_dict()}
 
