@@ -7,13 +7,14 @@ one process (so both halves see the same machine state). Prints the median step 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
-import pagekube.engine.model.model as model
 from pagekube.engine import SamplingParams
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
+from pagekube.engine.model.model import use_kernels
 from pagekube.kernels import cpu_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,8 +29,10 @@ def measure(batch: int, steps: int, switch_every: int = 8) -> dict[str, float]:
         engine.add_request(str(i), f"Count slowly from {i}:", params)
     for _ in range(4):  # prefill, warm-up
         engine.step()
+    chosen = engine.runner.kernels
+
     def switch(on: bool) -> None:
-        model.uses_fused_ops = cpu_ops.uses_fused_ops if on else (lambda _x: False)
+        use_kernels(engine.runner.model, dataclasses.replace(chosen, fused=on and chosen.fused))
 
     ms = alternate(engine, steps, switch, switch_every)
     engine.close()

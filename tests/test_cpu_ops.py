@@ -60,10 +60,13 @@ def test_rejects_other_dtypes(kernel):
 def test_linear_uses_the_kernel_only_for_small_bf16_batches(kernel):
     w = torch.randn(40, 96).bfloat16()
     small, large = torch.randn(cpu_ops.MAX_ROWS, 96).bfloat16(), torch.randn(cpu_ops.MAX_ROWS + 1, 96).bfloat16()
-    assert cpu_ops.uses_bf16_kernel(small, w) and not cpu_ops.uses_bf16_kernel(large, w)
-    assert torch.equal(cpu_ops.linear(small, w), kernel(small, w, None))
-    assert torch.equal(cpu_ops.linear(large, w), F.linear(large, w))
-    assert not cpu_ops.uses_bf16_kernel(small.float(), w.float())
+    kernels = cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=64)
+    assert kernels.takes_linear(small) and not kernels.takes_linear(large)
+    assert torch.equal(kernels.matmul(small, w), kernel(small, w, None))
+    assert torch.equal(kernels.matmul(large, w), F.linear(large, w))
+    # Chosen once per model: float32 models (or other devices) get none of the kernels.
+    assert cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.float32, head_dim=64) == cpu_ops.NO_KERNELS
+    assert not cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=72).decode_attention
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 1),
@@ -113,6 +116,7 @@ def test_rms_norm_and_add_rms_norm_match_the_torch_path(kernel, rows, dim):
 
 def test_rms_norm_module_takes_the_fused_path_and_returns_the_residual(kernel):
     norm = RMSNorm(64, 1e-6).bfloat16()
+    norm.kernels = cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=64)
     x, residual = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16()
     want_sum = residual + x
     out, stream = norm(x, residual)
@@ -161,7 +165,7 @@ def test_engine_uses_the_kernels_in_bf16_and_stays_close_to_float32(bundled_dir)
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
     bf16 = LLM(str(bundled_dir), dtype="bfloat16", kv_cache_memory=64 * 1024**2)
-    assert cpu_ops.loaded()
+    assert cpu_ops.loaded() and bf16.engine.runner.kernels.names == ["linear", "q4", "fused", "decode_attention"]
     got = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
     f32 = LLM(str(bundled_dir), dtype="float32", kv_cache_memory=64 * 1024**2)
     want = [o.outputs[0].token_ids for o in f32.generate(prompts, params)]

@@ -97,7 +97,15 @@ bf16 (which takes this path) against float32 is test_cpu_ops' end-to-end test.""
     assert len(linears) == 4 * 30 and all(m.q4 is not None for m in linears)  # qkv, o, gate_up, down
     layer = model.model.layers[0].mlp.gate_up_proj
     x = torch.randn(1, layer.in_features).bfloat16()
-    assert cpu_ops.uses_q4_kernel(x, layer.weight) and not cpu_ops.uses_q4_kernel(x.expand(3, -1), layer.weight)
+    assert layer.kernels.q4 and llm.engine.runner.kernels == layer.kernels  # one choice for the whole model
+    q4_calls = []
+    real_q4 = cpu_ops.q4_linear
+    cpu_ops.q4_linear = lambda *a: q4_calls.append(a[0].shape[0]) or real_q4(*a)
+    try:
+        layer(x), layer(x.expand(2, -1).contiguous()), layer(x.expand(3, -1).contiguous())
+    finally:
+        cpu_ops.q4_linear = real_q4
+    assert q4_calls == [1, 2]  # the blocks at one and two rows, the bf16 weights from three
     torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight).float(), rtol=0.02, atol=0.05)
     hidden = torch.randn(1, model.config.hidden_size).bfloat16()
     with torch.no_grad():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagekube.engine.model.model import AttentionMetadata
-from pagekube.kernels.cpu_ops import uses_decode_kernel
+from pagekube.kernels.cpu_ops import NO_KERNELS, CpuKernels
 from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 DECODE_GROUP = 8  # decode tokens per batched SDPA call on the CPU (bench/offline_vs_hf.py)
@@ -14,6 +14,7 @@ DECODE_GROUP = 8  # decode tokens per batched SDPA call on the CPU (bench/offlin
 
 class TorchAttention:
     name = "torch"
+    kernels: CpuKernels = NO_KERNELS  # the model's, set when it loads
 
     @staticmethod
     def unsupported(block_size: int, dtype: torch.dtype) -> str | None:
@@ -24,7 +25,7 @@ class TorchAttention:
         write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if uses_decode_kernel(q, k_cache):  # the CPU extension reads K/V in place
+        if self.kernels.decode_attention:  # the CPU extension reads K/V in place
             if meta.is_decode_only:
                 return torch.ops.pagekube_cpu.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                                                      meta.context_lens, scale)

@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagekube.engine.distributed.tensor_parallel import TPShard, all_reduce, gather_logits
-from pagekube.kernels.cpu_ops import linear, q4_linear, uses_bf16_kernel, uses_fused_ops, uses_q4_kernel
+from pagekube.kernels.cpu_ops import NO_KERNELS, CpuKernels
 
 
 @dataclass
@@ -40,6 +40,8 @@ class AttentionBackend(Protocol):
 
 
 class RMSNorm(nn.Module):
+    kernels: CpuKernels = NO_KERNELS  # set once for the whole model when it loads (use_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -47,7 +49,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(residual + x), residual + x): the decoder's add-then-normalize."""
-        if uses_fused_ops(x) and self.weight.dtype == x.dtype:  # one pass (the add happens in `residual`)
+        if self.kernels.fused and x.is_contiguous():  # one pass (the add happens in `residual`)
             if residual is None:
                 return torch.ops.pagekube_cpu.rms_norm(x, self.weight, self.eps)
             return torch.ops.pagekube_cpu.add_rms_norm(x, residual, self.weight, self.eps), residual
@@ -73,11 +75,10 @@ class Linear(nn.Linear):
     weights in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` at one or two rows."""
 
     q4 = None
+    kernels: CpuKernels = NO_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None and uses_q4_kernel(x, self.weight):
-            return q4_linear(x, self.q4, self.bias)
-        return linear(x, self.weight, self.bias)
+        return self.kernels.matmul(x, self.weight, self.bias, self.q4)
 
 
 def fused_linear(in_features: int, output_sizes: list[int], bias: bool) -> Linear:
@@ -88,6 +89,8 @@ def fused_linear(in_features: int, output_sizes: list[int], bias: bool) -> Linea
 
 
 class Attention(nn.Module):
+    kernels: CpuKernels = NO_KERNELS
+
     def __init__(self, config, layer_idx: int, shard: TPShard):
         super().__init__()
         heads = config.num_attention_heads
@@ -110,7 +113,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         k_cache, v_cache = kv_cache
-        if uses_fused_ops(qkv) and k_cache.dtype == qkv.dtype:  # RoPE and the cache write in one pass
+        if self.kernels.fused and qkv.is_contiguous():  # RoPE and the cache write in one pass
             q = torch.ops.pagekube_cpu.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                                      self.num_heads, self.num_kv_heads)
         else:
@@ -126,6 +129,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernels: CpuKernels = NO_KERNELS
+
     def __init__(self, config, shard: TPShard):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
@@ -138,7 +143,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if self.silu and uses_fused_ops(gate_up):
+        if self.silu and self.kernels.fused and gate_up.is_contiguous():
             h = torch.ops.pagekube_cpu.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -201,7 +206,16 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
+def use_kernels(model: nn.Module, kernels: CpuKernels) -> None:
+    """Every layer of `model` runs `kernels` from now on (chosen once per model: ModelRunner)."""
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels
+
+
 class CausalLM(nn.Module):
+    kernels: CpuKernels = NO_KERNELS
+
     supported_model_types = ("llama", "mistral", "qwen2", "smollm", "smollm3")
     # Checkpoint projection -> (fused parameter, index of its row block): HF names on disk, fused GEMMs in memory.
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -264,9 +278,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits over the whole vocabulary (on rank 0; None on other ranks)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        if hidden.device.type == "cpu" and hidden.shape[0] > 1 and not uses_bf16_kernel(hidden, weight):
+        if hidden.device.type == "cpu" and hidden.shape[0] > 1 and not self.kernels.takes_linear(hidden):
             # MKL runs a tall [vocab, hidden] weight at half speed; slices of 2048 rows stay fast (1.7x at 32 rows).
             local = torch.cat([F.linear(hidden, w) for w in weight.split(2048)], dim=-1).float()
         else:
-            local = linear(hidden, weight).float()
+            local = self.kernels.matmul(hidden, weight).float()
         return gather_logits(local, self.shard, self.config.vocab_size)

@@ -16,9 +16,9 @@ from pagekube.engine.config import EngineConfig
 from pagekube.engine.core.scheduler import ScheduledBatch
 from pagekube.engine.distributed.tensor_parallel import TPShard
 from pagekube.engine.model.attention import make_backend
-from pagekube.engine.model.model import AttentionMetadata
+from pagekube.engine.model.model import AttentionMetadata, use_kernels
 from pagekube.engine.model.model_loader import load_model
-from pagekube.kernels.cpu_ops import cpu_supports_bf16_dot, load_cpu_kernels
+from pagekube.kernels.cpu_ops import CpuKernels, cpu_supports_bf16_dot, load_cpu_kernels
 
 FORWARD, STOP = 1, 2  # packet commands, rank 0 -> workers
 HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies
@@ -69,6 +69,12 @@ class ModelRunner:
             load_cpu_kernels()  # built once per machine; torch's ops where it cannot be
         self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard)
         attn = self.model.model.layers[0].self_attn
+        # Which CPU kernels run is decided here, once per model; layers then check only their row counts.
+        self.kernels = CpuKernels.for_model(self.device, self.dtype, attn.head_dim)
+        use_kernels(self.model, self.kernels)
+        self.backend.kernels = self.kernels
+        if self.device.type == "cpu":
+            log.info({"msg": "CPU kernels", "model": str(model_dir), "kernels": self.kernels.names or ["torch"]})
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,33 +75,43 @@ def loaded() -> bool:
     return _state.get("loaded", False)
 
 
-def uses_bf16_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (loaded() and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.device.type == "cpu"
-            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16)
-
-
-def uses_q4_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # The row count first: above it (most steps of a busy server) linear() makes the other checks anyway.
-    return x.dim() == 2 and x.shape[0] <= Q4_MAX_ROWS and uses_bf16_kernel(x, weight)
-
-
 def q4_linear(x: torch.Tensor, q4, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) with w in Q4_1 blocks (engine/gguf_linears.Q4Weight); callers check uses_q4_kernel."""
+    """x @ w.T (+ bias) with w in Q4_1 blocks (engine/model/layers/gguf_linears.Q4Weight)."""
     return torch.ops.pagekube_cpu.q4_1_linear(x, q4.qs, q4.d, q4.m, bias)
 
 
-def uses_decode_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    head_dim = q.shape[-1]
-    return (loaded() and q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-            and head_dim % 16 == 0 and head_dim <= 256)
+@dataclass(frozen=True)
+class CpuKernels:
+    """The extension's kernels one model runs, chosen once when it loads (on the CPU in bf16 with the extension
+    loaded: all of them; otherwise none; a benchmark may turn one off), so a layer's call checks only what varies
+    per call: how many rows it has."""
+
+    linear: bool = False  # bf16 linears at up to MAX_ROWS rows
+    q4: bool = False  # a GGUF's Q4_1 blocks at up to Q4_MAX_ROWS rows, for Linears that have them
+    fused: bool = False  # RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write
+    decode_attention: bool = False  # paged decode attention, reading K/V in place
+
+    @classmethod
+    def for_model(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels:
+        on = loaded() and device.type == "cpu" and dtype == torch.bfloat16
+        return cls(linear=on, q4=on, fused=on, decode_attention=on and head_dim % 16 == 0 and head_dim <= 256)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, on in vars(self).items() if on]
+
+    def takes_linear(self, x: torch.Tensor) -> bool:
+        return self.linear and x.shape[0] <= MAX_ROWS
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, q4=None):
+        """x @ weight.T (+ bias): the Q4_1 blocks at one or two rows (when given), the bf16 kernel up to
+        MAX_ROWS, torch above (measured crossovers, docs/benchmarks.md)."""
+        rows = x.shape[0]
+        if q4 is not None and self.q4 and rows <= Q4_MAX_ROWS:
+            return q4_linear(x, q4, bias)
+        if self.linear and rows <= MAX_ROWS:
+            return torch.ops.pagekube_cpu.bf16_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if uses_bf16_kernel(x, weight):
-        return torch.ops.pagekube_cpu.bf16_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def uses_fused_ops(x: torch.Tensor) -> bool:
-    """Whether the fused small ops apply to a bf16 CPU activation (engine/model/model.py has their torch equivalents)."""
-    return loaded() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.is_contiguous()
+NO_KERNELS = CpuKernels()
