@@ -3,7 +3,9 @@
 The engine itself is touched only by its thread. Other threads hand it commands through a queue (add, abort) and
 get outputs back through their event loop (call_soon_threadsafe), so a slow client never stalls the batch.
 Tokenization and chat templating run on one tokenizer thread, never on the event loop: a long prompt must not
-stall every other stream's chunks (HF fast tokenizers release the GIL).
+stall every other stream's chunks (HF fast tokenizers release the GIL). Outputs are made into text on one
+detokenizer thread (engine/text_outputs.py: detokenization, stop strings, the output kind), never on the engine
+thread, which only schedules, runs the model and samples.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 from pagekube.engine.errors import EngineDeadError, WorkerDied
 from pagekube.engine.outputs import RequestOutput
 from pagekube.engine.sampling_params import SamplingParams
+from pagekube.engine.text_outputs import RequestText
 
 if TYPE_CHECKING:
     from pagekube.engine.llm_engine import LLMEngine
@@ -93,13 +96,15 @@ class AsyncEngine:
         """`engine_thread`: the thread that loaded `engine` (see EngineThread); a new one if not given."""
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestText]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.dead: BaseException | None = None
         self._waiting_snapshot = 0  # the scheduler's waiting requests, as the loop thread last counted them
         self._admitted = 0  # admitted, not yet in the scheduler: tokenizing, or on their way to the loop thread
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._detokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="detokenizer")  # FIFO: in order
+        engine.outputs.inline_text = False  # the engine reports token deltas; text is made on the detokenizer
         self._loop_done = (engine_thread or EngineThread()).submit(self._run)
 
     # ---- API for request handlers (any thread, with a running event loop) ----------------------------------
@@ -138,8 +143,9 @@ class AsyncEngine:
         try:
             req = await self.run_tokenizer(self.engine.prepare_request, request_id, prompt, params)
             out_q: asyncio.Queue = asyncio.Queue()
+            text = RequestText(self.engine.tokenizer, req.prompt_token_ids, params)
             with self._lock:
-                self._streams[request_id] = (asyncio.get_running_loop(), out_q)
+                self._streams[request_id] = (asyncio.get_running_loop(), out_q, text)
             if self.dead:  # it died while we tokenized; a stream registered after its last words would hang
                 with self._lock:
                     self._streams.pop(request_id, None)
@@ -174,6 +180,7 @@ class AsyncEngine:
         except BaseException:  # noqa: BLE001 - the loop's own error was logged and reported when it died
             pass
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._detokenizer.shutdown(wait=False, cancel_futures=True)
 
     # ---- the loop thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -200,7 +207,7 @@ class AsyncEngine:
             self.dead = e
             streams = list(self._streams.values())
             self._streams.clear()
-        for loop, q in streams:
+        for loop, q, _ in streams:
             loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e}"))
 
     def _drain_commands(self, block: bool) -> None:
@@ -222,6 +229,10 @@ class AsyncEngine:
             elif kind == "abort_all":
                 for rid in list(self.engine.requests):
                     self._abort(rid)
+            elif kind == "stop":  # a stop string the detokenizer found
+                out = self.engine.finish_by_stop(arg.request_id, arg.index, arg.stop, arg.num_output_tokens)
+                if out is not None:
+                    self._deliver(out)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -231,15 +242,37 @@ class AsyncEngine:
         out = self.engine.abort_request(request_id)
         if out is not None:
             self._deliver(out)
-        else:
-            with self._lock:
-                self._streams.pop(request_id, None)
+        else:  # never enqueued, or already done: forget it after what is on its way to the client
+            self._detokenizer.submit(self._forget, request_id)
 
     def _deliver(self, out: RequestOutput) -> None:
+        """Hand an engine output to the detokenizer thread (in order); the engine thread goes on stepping."""
+        self._detokenizer.submit(self._emit, out)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _emit(self, out: RequestOutput) -> None:
+        """On the detokenizer thread: the engine's token delta becomes the client's output (text, stop strings,
+        output kind); a stop string found here is sent to the engine thread to finish the sequence."""
         with self._lock:
             target = self._streams.get(out.request_id)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-        if target:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, out)
+        if target is None:
+            return  # finished here already (a stop string), or the client is gone
+        loop, q, text = target
+        try:
+            shown, stops = text.apply(out)
+        except Exception as e:  # noqa: BLE001 - the client hears of it; the engine drops the request
+            log.exception("request %s: making its text failed", out.request_id)
+            self._forget(out.request_id)
+            self._commands.put(("abort", out.request_id))
+            loop.call_soon_threadsafe(q.put_nowait, e)
+            return
+        for stop in stops:
+            self._commands.put(("stop", stop))
+        if shown is None:
+            return
+        if shown.finished:
+            self._forget(out.request_id)
+        loop.call_soon_threadsafe(q.put_nowait, shown)

@@ -23,7 +23,7 @@ from pagekube.engine.output_processor import OutputProcessor
 from pagekube.engine.outputs import RequestOutput
 from pagekube.engine.sample.sampler import Sampler
 from pagekube.engine.sample.sampler import rows as logit_rows
-from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagekube.engine.sampling_params import SamplingParams
 from pagekube.engine.spec_decode.speculative import NgramProposer, SpecDecodeStats, SpeculativeDecoder
 from pagekube.engine.structured import (
     DEFAULT_GRAMMAR_BACKEND,
@@ -250,6 +250,23 @@ class LLMEngine:
             listener.refresh(self)  # gauges must drop now, even if no step follows
         return self.outputs.make_output(req)
 
+    def finish_by_stop(self, request_id: str, index: int, stop: str, num_output_tokens: int) -> RequestOutput | None:
+        """A stop string, found off the engine thread (engine/text_outputs.py), ends choice `index` after
+        `num_output_tokens` tokens: tokens computed since are dropped. The request's output when it is done."""
+        self._check_owner("finish_by_stop")
+        req = self.requests.get(request_id)
+        if req is None or req.seqs[index].is_finished:
+            return None
+        seq = req.seqs[index]
+        del seq.token_ids[seq.num_prompt_tokens + num_output_tokens:]
+        del seq.logprobs[num_output_tokens:]
+        self.outputs.finish_seq(seq, "stop", stop)
+        if not req.is_finished:
+            return None
+        self.requests.pop(request_id)
+        self.outputs.finalize(req)
+        return self.outputs.make_output(req)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -309,7 +326,7 @@ class LLMEngine:
             if req.is_finished:
                 self.requests.pop(req.request_id, None)
                 self.outputs.finalize(req)
-            elif req.params.output_kind == RequestOutputKind.FINAL_ONLY:
+            elif not self.outputs.wants_output(req):
                 continue
             outputs.append(self.outputs.make_output(req))
         return outputs

@@ -25,6 +25,9 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.sampler = sampler
         self.stat_listeners = stat_listeners  # the engine's own list: listeners added later are seen
+        # Text here, on the engine's thread (offline), or off it (the server: engine/text_outputs.py, where stop
+        # strings are found too; the engine then reports token deltas every step, whatever the output kind).
+        self.inline_text = True
 
     def append_token(self, seq: Sequence, tok: int, logprob: float | None, top: dict[int, float] | None) -> None:
         """The token joins the sequence (with the progress that produced it), then its text, grammar and stop
@@ -52,7 +55,7 @@ class OutputProcessor:
         if p.logprobs is not None:
             seq.cumulative_logprob += logprob
             seq.logprobs.append(top)
-        delta = detokenize_incrementally(self.tokenizer, seq, p.skip_special_tokens)
+        delta = detokenize_incrementally(self.tokenizer, seq, p.skip_special_tokens) if self.inline_text else ""
         if seq.grammar is not None and not seq.grammar.accept_token(tok):
             # Only when other constraints left no token the grammar allows (e.g. min_tokens banning its stop token).
             log.warning("request %s: token %d is outside its grammar; finishing it", req.request_id, tok)
@@ -64,7 +67,8 @@ class OutputProcessor:
             self.finish_seq(seq, "stop", tok)
         elif tok in self.eos_token_ids and not p.ignore_eos and seq.num_output_tokens >= p.min_tokens:
             self.finish_seq(seq, "stop", None)
-        elif seq.num_output_tokens >= p.min_tokens and (stop := find_stop_string(seq, delta)) is not None:
+        elif (self.inline_text and seq.num_output_tokens >= p.min_tokens
+              and (stop := find_stop_string(seq, delta)) is not None):
             self.finish_seq(seq, "stop", stop)
         elif seq.num_output_tokens >= req.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish_seq(seq, "length", None)
@@ -79,10 +83,16 @@ class OutputProcessor:
         for listener in self.stat_listeners:
             listener.on_request_finished(req)
 
+    def wants_output(self, req: Request) -> bool:
+        """Whether a step that touched the unfinished `req` reports it (FINAL_ONLY waits for the end, unless the
+        text is made elsewhere: it needs every delta)."""
+        return req.params.output_kind != RequestOutputKind.FINAL_ONLY or not self.inline_text
+
     def make_output(self, req: Request) -> RequestOutput:
-        """The request's output as its params' output_kind asks: everything so far, or (DELTA) only what is new
-        since the last one, in O(new) work: the choices with new tokens or a finish not yet reported."""
-        delta = req.params.output_kind == RequestOutputKind.DELTA
+        """The request's output as its params' output_kind asks: everything so far, or (DELTA, and always when
+        the text is made elsewhere) only what is new since the last one, in O(new) work: the choices with new
+        tokens or a finish not yet reported."""
+        delta = req.params.output_kind == RequestOutputKind.DELTA or not self.inline_text
         outs = []
         for s in req.seqs:
             t0, k0 = (s.sent_text_len, s.sent_tokens) if delta else (0, 0)

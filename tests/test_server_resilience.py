@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -189,6 +190,7 @@ class StuckEngine:
         self.killed = False
         self.on_failure = None
         self.num_waiting = 0
+        self.outputs = types.SimpleNamespace(inline_text=True)
 
     def has_unfinished_requests(self) -> bool:
         return True
@@ -228,7 +230,7 @@ def test_a_dead_worker_reported_by_the_watchdog_fails_open_streams_at_once():
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with engine._lock:
-            engine._streams["r"] = (loop, q)
+            engine._streams["r"] = (loop, q, None)
         threading.Thread(target=stuck.on_failure, args=("tensor-parallel worker rank 1 died (exit code -9)",),
                          name="tp-watchdog").start()
         return await asyncio.wait_for(q.get(), 5)
