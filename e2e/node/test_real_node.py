@@ -119,7 +119,9 @@ def test_apply_serves_a_chat_completion_through_nginx_and_kube_proxy(node, serve
     run = stream_runs(served, streams=2, max_tokens=MAX_TOKENS)
     results = run.results()
     assert_all_finished(results, 2)
-    assert all(r["chunks"] >= MAX_TOKENS - 2 for r in results), results  # streamed, not one final blob
+    # Streamed, not one final blob: most tokens arrive as their own chunk. Not all: with ignore_eos the model may
+    # run past <|im_end|> into special tokens, which stream as empty deltas (seen: 45 of 48 with text).
+    assert all(r["chunks"] >= MAX_TOKENS // 2 and r["completion_tokens"] == MAX_TOKENS for r in results), results
 
 
 def test_rolling_restart_under_load_loses_no_stream(node, served, stream_runs):
