@@ -39,22 +39,25 @@ def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool
     return delta
 
 
+def find_stop(text: str, delta: str, params) -> tuple[str, str] | None:
+    """The earliest stop string that `delta` (the newest end of `text`) completes: (the text cut there, the stop
+    string), or None. Only the window the new text can reach is searched."""
+    if not params.stop or not delta:
+        return None
+    window_start = max(0, len(text) - len(delta) - params.max_stop_len + 1)
+    hits = [(at, stop) for stop in params.stop if (at := text.find(stop, window_start)) >= 0]
+    if not hits:
+        return None
+    at, stop = min(hits, key=lambda hit: hit[0])  # the first stop string listed wins a tie
+    return text[: at + len(stop) if params.include_stop_str_in_output else at], stop
+
+
 def find_stop_string(seq: Sequence, delta: str) -> str | None:
     """If a stop string now appears in the output, cut the text there and return it."""
-    stops = seq.request.params.stop
-    if not stops or not delta:
+    hit = find_stop(seq.output_text, delta, seq.request.params)
+    if hit is None:
         return None
-    window_start = max(0, len(seq.output_text) - len(delta) - seq.request.params.max_stop_len + 1)
-    best = None
-    for stop in stops:
-        at = seq.output_text.find(stop, window_start)
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, stop)
-    if best is None:
-        return None
-    at, stop = best
-    keep = at + len(stop) if seq.request.params.include_stop_str_in_output else at
-    seq.output_text = seq.output_text[:keep]
+    seq.output_text, stop = hit
     return stop
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from pagekube.engine.detokenizer import CONTEXT_TOKENS
+from pagekube.engine.detokenizer import CONTEXT_TOKENS, find_stop
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -100,16 +100,10 @@ class RequestText:
         return delta
 
     def _find_stop(self, choice: ChoiceText, delta: str) -> str | None:
-        """The earliest stop string that the new text completes; the text is cut there."""
-        stops = self.params.stop
-        if not stops or not delta:
+        hit = find_stop(choice.text, delta, self.params)
+        if hit is None:
             return None
-        start = max(0, len(choice.text) - len(delta) - self.params.max_stop_len + 1)
-        hits = [(at, s) for s in stops if (at := choice.text.find(s, start)) >= 0]
-        if not hits:
-            return None
-        at, stop = min(hits)
-        choice.text = choice.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
+        choice.text, stop = hit
         return stop
 
     def _output(self, index: int, delta: bool) -> CompletionOutput | None:
