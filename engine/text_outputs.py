@@ -51,8 +51,7 @@ class RequestText:
         self.tokenizer = tokenizer
         self.params = params
         self.backend = getattr(tokenizer, "_tokenizer", None)
-        context = prompt_token_ids[-CONTEXT_TOKENS:]
-        self.context = context
+        self.context = prompt_token_ids[-CONTEXT_TOKENS:]  # so the first token's leading space decodes right
         self.choices = [ChoiceText(self._new_stream()) for _ in range(params.n)]
 
     def _new_stream(self) -> DecodeStream | None:
