@@ -222,8 +222,9 @@ class AsyncEngine:
                     live = arg.request_id in self._streams
                 if live:  # it may have been aborted before we got here
                     self.engine.enqueue(arg)
-                    self._waiting_snapshot = self.engine.num_waiting  # counted there before it leaves _admitted
-                self.release()
+                with self._lock:  # from admitted to the scheduler's count in one move: never counted twice
+                    self._waiting_snapshot += live  # (the snapshot is recounted after each step)
+                    self._admitted -= 1
             elif kind == "abort":
                 self._abort(arg)
             elif kind == "abort_all":
