@@ -10,15 +10,21 @@ from pagekube.engine.core.sequence import Sequence
 CONTEXT_TOKENS = 5  # earlier tokens decoded along, so a token's leading space or merge decodes right
 
 
+def new_decode_stream(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> DecodeStream | None:
+    """A `tokenizers` DecodeStream (one O(1) step per token) primed with the last prompt tokens, for a fast (Rust)
+    tokenizer; None for others."""
+    if not isinstance(getattr(tokenizer, "_tokenizer", None), Tokenizer):
+        return None
+    return DecodeStream(ids=prompt_token_ids[-CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens)
+
+
 def start_detokenizer(seq: Sequence, tokenizer) -> None:
-    """A fast (Rust) tokenizer gets a `tokenizers` DecodeStream: one O(1) step per token, primed with the last
-    prompt tokens. Others fall back to the offset method (two decodes of a short window per token)."""
+    """A fast tokenizer gets a DecodeStream; others fall back to the offset method (two decodes of a short window
+    per token)."""
     seq.detok_read_offset = seq.num_prompt_tokens
     seq.detok_prefix_offset = max(0, seq.num_prompt_tokens - CONTEXT_TOKENS)
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if isinstance(backend, Tokenizer):
-        seq.decode_stream = DecodeStream(ids=seq.token_ids[seq.detok_prefix_offset:],
-                                         skip_special_tokens=seq.request.params.skip_special_tokens)
+    seq.decode_stream = new_decode_stream(tokenizer, seq.token_ids[: seq.num_prompt_tokens],
+                                          seq.request.params.skip_special_tokens)
 
 
 def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
@@ -61,9 +67,13 @@ def find_stop_string(seq: Sequence, delta: str) -> str | None:
     return stop
 
 
-def streamable_len(seq: Sequence) -> int:
+def streamable_end(text: str, params, finished: bool) -> int:
     """Length of the text safe to show now: a tail that could still become a stop string is held back until it
     cannot."""
-    if seq.is_finished:
-        return len(seq.output_text)
-    return max(0, len(seq.output_text) - max(0, seq.request.params.max_stop_len - 1))
+    if finished:
+        return len(text)
+    return max(0, len(text) - max(0, params.max_stop_len - 1))
+
+
+def streamable_len(seq: Sequence) -> int:
+    return streamable_end(seq.output_text, seq.request.params, seq.is_finished)

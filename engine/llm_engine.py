@@ -206,7 +206,8 @@ class LLMEngine:
         req = Request(request_id, text, token_ids, params, max_tokens)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
         for seq in req.seqs:
-            start_detokenizer(seq, self.tokenizer)
+            if self.outputs.inline_text:  # the server makes text on its detokenizer thread (text_outputs.py)
+                start_detokenizer(seq, self.tokenizer)
             seq.grammar = self.grammar_backend.matcher(grammar) if grammar is not None else None
         return req
 

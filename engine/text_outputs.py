@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from pagekube.engine.detokenizer import CONTEXT_TOKENS, find_stop
+from pagekube.engine.detokenizer import find_stop, new_decode_stream, streamable_end
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,13 +50,8 @@ class RequestText:
         self.tokenizer = tokenizer
         self.params = params
         self.backend = getattr(tokenizer, "_tokenizer", None)
-        self.context = prompt_token_ids[-CONTEXT_TOKENS:]  # so the first token's leading space decodes right
-        self.choices = [ChoiceText(self._new_stream()) for _ in range(params.n)]
-
-    def _new_stream(self) -> DecodeStream | None:
-        if not isinstance(self.backend, Tokenizer):
-            return None
-        return DecodeStream(ids=self.context, skip_special_tokens=self.params.skip_special_tokens)
+        self.choices = [ChoiceText(new_decode_stream(tokenizer, prompt_token_ids, params.skip_special_tokens))
+                        for _ in range(params.n)]
 
     def apply(self, out: RequestOutput) -> tuple[RequestOutput | None, list[StopSeen]]:
         """Take one engine delta; returns the output to hand the client (None when there is nothing to say yet)
@@ -107,7 +101,7 @@ class RequestText:
 
     def _output(self, index: int, delta: bool) -> CompletionOutput | None:
         c = self.choices[index]
-        end = len(c.text) if c.finish_reason is not None else max(0, len(c.text) - max(0, self.params.max_stop_len - 1))
+        end = streamable_end(c.text, self.params, c.finish_reason is not None)
         t0, k0 = (c.sent_text, c.sent_tokens) if delta else (0, 0)
         k1 = len(c.token_ids)
         if delta:

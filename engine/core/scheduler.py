@@ -107,12 +107,12 @@ class Scheduler:
     # ---- progress from a step's output ----------------------------------------------------------------------
     def prefill_done(self, batch: ScheduledBatch, sampling: list[int]) -> None:
         """The forward ran: chunks that did not reach their sequence's end are computed (they sample nothing).
-        `sampling`: the batch indices that do sample; their progress moves with their token (append_token)."""
+        `sampling`: the batch indices that do sample; their progress moves with their token (append_token).
+        Full blocks enter the prefix cache in end_step."""
         ends = set(sampling)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if i not in ends:
                 seq.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(seq)
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """`token` was sampled after every token `seq` holds: they are all computed now (an accepted draft was fed
