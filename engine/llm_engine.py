@@ -259,7 +259,7 @@ class LLMEngine:
         if req is None or req.seqs[index].is_finished:
             return None
         seq = req.seqs[index]
-        del seq.token_ids[seq.num_prompt_tokens + num_output_tokens:]
+        self.scheduler.truncate(seq, seq.num_prompt_tokens + num_output_tokens)
         del seq.logprobs[num_output_tokens:]
         self.outputs.finish_seq(seq, "stop", stop)
         if not req.is_finished:

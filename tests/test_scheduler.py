@@ -165,3 +165,17 @@ def test_prefix_cache_computes_only_the_suffix_and_output_is_unchanged(tiny_engi
     assert done.num_cached_tokens == cached
     assert sum(counter.steps) == (len(second) - cached) + (8 - 1)  # the suffix, then 7 decode steps
     assert done.outputs[0].token_ids == expected
+
+
+def test_a_request_finishing_in_its_prefill_step_leaves_its_prompt_blocks_cached(tiny_engine_factory):
+    """max_tokens=1: the step that computes the prompt also finishes the request. Its full blocks are registered
+    before they are freed, so the same prompt again is served from the prefix cache."""
+    engine = tiny_engine_factory()
+    prompt = [100 + i for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    outs = []
+    for rid in ("first", "again"):
+        engine.add_request(rid, prompt, params)
+        outs += [out for out in engine.step() if out.finished]
+    assert [o.num_cached_tokens for o in outs] == [0, 32]  # two full 16-token blocks; the last token is computed
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids

@@ -148,8 +148,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.block_manager.cache_full_blocks(seq)  # what it computed stays findable after its blocks are freed
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Tokens past `num_tokens` are dropped (a stop string was found before them); progress follows."""
+        del seq.token_ids[num_tokens:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
