@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagekube.engine.pooling.pooler_config import PoolerConfig
 from pagekube.engine.spec_decode.speculative import SpeculativeConfig
 
 
@@ -51,6 +52,12 @@ class EngineConfig(BaseModel):
     speculative_config: SpeculativeConfig | None = Field(
         None, description='Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4} or '
                           '{"model": DRAFT_PATH, "num_speculative_tokens": 4}')
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto", description="What the model serves: generate (completions, chat) or pooling (/v1/embeddings); auto: "
+        "pooling for encoders (BERT), base models without an LM head, and sentence-transformers directories")
+    pooler_config: PoolerConfig | None = Field(
+        None, description='How the pooling runner makes one vector, as JSON: {"pooling_type": "MEAN", "normalize": '
+                          'true} (CLS, MEAN or LAST; default: from the model directory)')
     drain_timeout: float = Field(120.0, ge=0, description="Seconds to finish accepted requests after SIGTERM before aborting them")
     # vLLM flags users paste from vLLM's docs: accepted; where they mean nothing here, one log line says so.
     swap_space: float = Field(4, ge=0, description="vLLM's CPU swap space (GiB); unused: preemption recomputes, as in vLLM v1")
@@ -66,6 +73,11 @@ class EngineConfig(BaseModel):
     @classmethod
     def _parse_speculative_config(cls, value):
         return SpeculativeConfig.parse(value) if value is not None else None
+
+    @field_validator("pooler_config", mode="before")
+    @classmethod
+    def _parse_pooler_config(cls, value):
+        return PoolerConfig.parse(value) if value is not None else None
 
     @field_validator("enable_chunked_prefill")
     @classmethod

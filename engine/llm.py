@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from pagekube.engine.chat import chat_prompt_ids
 from pagekube.engine.config import EngineConfig
-from pagekube.engine.llm_engine import LLMEngine
-from pagekube.engine.outputs import RequestOutput
+from pagekube.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagekube.engine.runner import load_engine
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
@@ -18,9 +18,15 @@ Prompt = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        """`runner="pooling"` (or an embedding model, with the default "auto") makes embeddings: LLM.embed."""
+        self.engine = load_engine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def _require(self, runner: str, method: str) -> None:
+        if self.engine.runner != runner:
+            what = "an embedding model (runner='pooling')" if runner == "pooling" else "a generation model"
+            raise ValueError(f"LLM.{method} needs {what}; this one runs the {self.engine.runner} runner")
 
     def close(self) -> None:
         """Stop tensor-parallel workers, if any (their processes also end with this one)."""
@@ -29,6 +35,7 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts: strings, token-id lists or {"prompt_token_ids": [...]}."""
+        self._require("generate", "generate")
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -62,6 +69,15 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (strings or token ids), in prompt order, as vLLM's LLM.embed."""
+        self._require("pooling", "embed")
+        self.engine.check_dimensions(dimensions)
+        ids = self.engine.prepare_inputs(prompts, truncate_prompt_tokens)
+        vectors = self.engine.embed(ids, dimensions)
+        return [EmbeddingRequestOutput(str(next(self._ids)), p, EmbeddingOutput(v.tolist())) for p, v in zip(ids, vectors)]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)

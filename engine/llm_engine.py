@@ -45,6 +45,8 @@ class StatListener(Protocol):
 
 
 class LLMEngine:
+    runner = "generate"
+
     def __init__(self, config: EngineConfig, stat_listeners: list[StatListener] = ()):
         self.config = config
         for note in config.compat_notes():

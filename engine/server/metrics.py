@@ -126,6 +126,23 @@ class EngineMetrics:
             counter.inc(now - seen)
         self._spec_seen = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos))
 
+    # ---- the pooling runner (engine/pooling/async_pooling.py) ---------------------------------------------
+    def on_pooling_iteration(self, engine, num_tokens: int) -> None:
+        self.iter_tokens.observe(num_tokens)
+        self.running.set(engine.running)
+
+    def on_pooled_request(self, job) -> None:
+        """An embeddings request ended: each input counts as a request, as vLLM counts pooling prompts."""
+        end, start = job.finished_time, job.first_scheduled_time
+        for prompt in job.prompts:
+            self.prompt_tokens.inc(len(prompt))
+            self.req_prompt.observe(len(prompt))
+            self.e2e.observe(end - job.arrival_time)
+            if start is not None:
+                self.queue_time.observe(start - job.arrival_time)
+                self.inference_time.observe(end - start)
+            self.success.labels(self.model_name, ENGINE_INDEX, job.finish_reason).inc()
+
     def on_first_token(self, req: Request) -> None:
         m = req.metrics
         self.prompt_tokens.inc(len(req.prompt_token_ids))

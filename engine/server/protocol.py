@@ -284,3 +284,30 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body, plus vLLM's truncate_prompt_tokens and add_special_tokens."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    add_special_tokens: bool = True
+
+    @field_validator("input")
+    @classmethod
+    def _at_most_2048_inputs(cls, value):
+        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > 2048:
+            raise ValueError(f"{len(value)} inputs: at most 2048 per request")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value):
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's limit) or at least 1")
+        return value

@@ -34,6 +34,19 @@ class RequestLogger:
             record["prompt"] = req.prompt if req.prompt is not None else req.prompt_token_ids
         log.info(record)
 
+    def on_pooled_request(self, job) -> None:
+        record = {"event": "request_finished", "id": job.request_id, "model": self.model_name,
+                  "finish_reason": job.finish_reason, "inputs": len(job.prompts),
+                  "prompt_tokens": sum(len(p) for p in job.prompts),
+                  "queue_s": _seconds(job.arrival_time, job.first_scheduled_time),
+                  "e2e_s": _seconds(job.arrival_time, job.finished_time)}
+        if self.log_prompts:
+            record["prompt"] = job.prompts
+        log.info(record)
+
+    def on_pooling_iteration(self, engine, num_tokens: int) -> None:
+        pass
+
     def on_iteration(self, engine, num_tokens: int, num_generated: int, num_preemptions: int) -> None:
         pass
 

@@ -176,6 +176,9 @@ def check_model(state: ServerState, model: str | None) -> None:
 def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
     eng = require_engine(state)
     check_model(state, body.model)
+    if eng.engine.runner == "pooling":
+        raise APIError(400, f"the model {state.model_name!r} is an embedding model (the pooling runner): it serves "
+                            "/v1/embeddings, not completions", param="model", code="unsupported_model")
     if state.draining:
         raise APIError(503, "the server is draining (shutting down); retry on another replica", code="draining",
                        retry_after=1)

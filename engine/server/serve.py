@@ -20,6 +20,7 @@ import uvicorn
 
 from pagekube.engine.async_engine import AsyncEngine, EngineThread
 from pagekube.engine.config import EngineConfig
+from pagekube.engine.pooling.async_pooling import AsyncPoolingEngine
 from pagekube.engine.server.app import ServerState, create_app
 from pagekube.engine.server.metrics import EngineMetrics
 from pagekube.engine.server.request_log import RequestLogger
@@ -74,12 +75,14 @@ async def _serve(config: EngineConfig) -> int:
     # sight, or each full collection walks ~400k objects inside a step (3.5 ms a step at batch 1; as vLLM does).
     gc.collect()
     gc.freeze()
+    pooling = engine.runner == "pooling"
     state.metrics = EngineMetrics(engine.served_model_name, max_model_len=engine.max_model_len,
-                                  cache_config=engine.cache_config(), spec_stats=engine.spec_stats)
+                                  cache_config=None if pooling else engine.cache_config(),
+                                  spec_stats=None if pooling else engine.spec_stats)
     engine.stat_listeners.append(state.metrics)
     if not config.disable_log_requests:
         engine.stat_listeners.append(RequestLogger(engine.served_model_name, config.enable_log_prompts))
-    state.engine = AsyncEngine(engine, engine_thread)
+    state.engine = (AsyncPoolingEngine if pooling else AsyncEngine)(engine, engine_thread)
     log.info("ready: serving %s on http://%s:%d", engine.served_model_name, config.host, config.port)
     watching = asyncio.ensure_future(exit_when_dead(state, server))
     await serving
@@ -96,9 +99,9 @@ async def _serve(config: EngineConfig) -> int:
 
 def load_engine(config: EngineConfig):
     log.info("loading the model")
-    from pagekube.engine.llm_engine import LLMEngine  # torch and transformers: only once the socket listens
+    from pagekube.engine.runner import load_engine  # torch and transformers: only once the socket listens
 
-    return LLMEngine(config)
+    return load_engine(config)
 
 
 async def exit_when_dead(state: ServerState, server: uvicorn.Server) -> None:

@@ -10,13 +10,14 @@ from pagekube.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from pagekube.engine.async_engine import AsyncEngine
+    from pagekube.engine.pooling.async_pooling import AsyncPoolingEngine
     from pagekube.engine.server.metrics import EngineMetrics
 
 
 @dataclass
 class ServerState:
     config: EngineConfig
-    engine: AsyncEngine | None = None
+    engine: AsyncEngine | AsyncPoolingEngine | None = None  # the pooling one serves /v1/embeddings
     metrics: EngineMetrics | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
