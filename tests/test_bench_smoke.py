@@ -88,3 +88,12 @@ def test_step_profile_benchmark_smoke():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
     assert len(rows) == 2 and all(len(line.split("|")) == 10 for line in rows), out.stdout
+
+
+def test_embeddings_benchmark_smoke():
+    """sentence-transformers and pagekube serve both embed every text (the script checks each side's shape)."""
+    out = subprocess.run([sys.executable, str(REPO / "bench/embeddings.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| sentence-transformers", "| pagekube"))]
+    assert len(rows) == 4 and all(float(r.split("|")[5]) >= 0.999 for r in rows), out.stdout
