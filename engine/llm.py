@@ -24,9 +24,9 @@ class LLM:
         self._ids = itertools.count()
 
     def _require(self, runner: str, method: str) -> None:
-        if self.engine.runner != runner:
+        if self.engine.runner_type != runner:
             what = "an embedding model (runner='pooling')" if runner == "pooling" else "a generation model"
-            raise ValueError(f"LLM.{method} needs {what}; this one runs the {self.engine.runner} runner")
+            raise ValueError(f"LLM.{method} needs {what}; this one runs the {self.engine.runner_type} runner")
 
     def close(self) -> None:
         """Stop tensor-parallel workers, if any (their processes also end with this one)."""

@@ -45,7 +45,7 @@ class StatListener(Protocol):
 
 
 class LLMEngine:
-    runner = "generate"
+    runner_type = "generate"  # (self.runner is its ModelRunner)
 
     def __init__(self, config: EngineConfig, stat_listeners: list[StatListener] = ()):
         self.config = config

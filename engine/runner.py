@@ -20,7 +20,7 @@ def choose_runner(config: EngineConfig) -> Literal["generate", "pooling"]:
 
 
 def load_engine(config: EngineConfig):
-    """The engine the config asks for, loaded: an LLMEngine or a PoolingEngine (both have `.runner`)."""
+    """The engine the config asks for, loaded: an LLMEngine or a PoolingEngine (both have `runner_type`)."""
     if choose_runner(config) == "pooling":
         from pagekube.engine.pooling.pooling_engine import PoolingEngine
 

@@ -27,7 +27,7 @@ def test_minilm_matches_sentence_transformers_batched_and_one_at_a_time(minilm):
 
     texts = [*TEXTS, "word " * 400]  # the last is cut to the model's 256 tokens, as sentence-transformers does
     reference = SentenceTransformer(str(minilm_dir()), device="cpu").encode(texts)
-    assert minilm.engine.runner == "pooling" and minilm.engine.max_model_len == 256
+    assert minilm.engine.runner_type == "pooling" and minilm.engine.max_model_len == 256
     batched = minilm.embed(texts, truncate_prompt_tokens=-1)
     assert cosines(batched, reference).min() >= 0.9999
     one_by_one = [minilm.embed(t, truncate_prompt_tokens=-1)[0] for t in texts]
@@ -70,7 +70,7 @@ def test_tiny_llama_base_model_pools_its_last_token_as_transformers(tmp_path, bu
 
     path = write_tiny_llama_base(tmp_path / "llama", bundled_dir)
     llm = LLM(str(path), dtype="float32")  # runner auto: LlamaModel has no LM head, so it embeds
-    assert llm.engine.runner == "pooling" and llm.engine.pooler.pooling_type == "LAST"
+    assert llm.engine.runner_type == "pooling" and llm.engine.pooler.pooling_type == "LAST"
     tok, hf = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         last = torch.stack([hf(**tok(t, return_tensors="pt")).last_hidden_state[0, -1] for t in TEXTS])

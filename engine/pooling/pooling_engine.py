@@ -28,7 +28,7 @@ Inputs = str | list[str] | list[int] | list[list[int]]
 
 
 class PoolingEngine:
-    runner = "pooling"
+    runner_type = "pooling"
     workers = None  # no tensor-parallel workers: the server's shutdown path asks
 
     def __init__(self, config: EngineConfig):

@@ -25,7 +25,7 @@ router = APIRouter()
 async def embeddings(body: EmbeddingRequest, state: ServerState = Depends(server_state)):
     eng = require_engine(state)
     check_model(state, body.model)
-    if eng.engine.runner != "pooling":
+    if eng.engine.runner_type != "pooling":
         raise APIError(400, f"the model {state.model_name!r} generates text and makes no embeddings; serve an "
                             "embedding model (or this one with --runner pooling) for /v1/embeddings",
                        param="model", code="unsupported_model")

@@ -176,7 +176,7 @@ def check_model(state: ServerState, model: str | None) -> None:
 def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
     eng = require_engine(state)
     check_model(state, body.model)
-    if eng.engine.runner == "pooling":
+    if eng.engine.runner_type == "pooling":
         raise APIError(400, f"the model {state.model_name!r} is an embedding model (the pooling runner): it serves "
                             "/v1/embeddings, not completions", param="model", code="unsupported_model")
     if state.draining:

@@ -75,7 +75,7 @@ async def _serve(config: EngineConfig) -> int:
     # sight, or each full collection walks ~400k objects inside a step (3.5 ms a step at batch 1; as vLLM does).
     gc.collect()
     gc.freeze()
-    pooling = engine.runner == "pooling"
+    pooling = engine.runner_type == "pooling"
     state.metrics = EngineMetrics(engine.served_model_name, max_model_len=engine.max_model_len,
                                   cache_config=None if pooling else engine.cache_config(),
                                   spec_stats=None if pooling else engine.spec_stats)
