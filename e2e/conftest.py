@@ -31,10 +31,11 @@ def control_plane(tmp_path_factory, pytestconfig):
 
 def start_operator(env: dict, log_path: Path, *args: str) -> subprocess.Popen:
     """`pagekube-operator run` in a subprocess, as a cluster would run it (kopf, JSON logs); waits for liveness."""
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = open(log_path, "w")
     exe = Path(sys.executable).parent / "pagekube-operator"
-    proc = subprocess.Popen([str(exe), "run", "--resync-seconds=3", f"--liveness=http://127.0.0.1:{port}/healthz", *args],
+    proc = subprocess.Popen([str(exe), "run", "--resync-seconds=3", f"--liveness=http://127.0.0.1:{port}/healthz",
+                             f"--metrics-bind-address=127.0.0.1:{metrics_port}", *args],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
@@ -47,6 +48,7 @@ def start_operator(env: dict, log_path: Path, *args: str) -> subprocess.Popen:
             time.sleep(0.3)
     proc.log_path = log_path
     proc.liveness = f"http://127.0.0.1:{port}/healthz"
+    proc.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     return proc
 
 

@@ -70,12 +70,11 @@ def operator_writes(cp, ns) -> list[str]:
 
 
 def resyncs(op, ns, name) -> int:
-    """Completed resync timers of one LLMDeployment, from the operator's JSON log."""
+    """Completed passes over one LLMDeployment, from the operator's JSON log."""
     count = 0
     for line in op.log_path.read_text().splitlines():
         entry = json.loads(line) if line.startswith("{") else {}
-        obj = entry.get("object") or {}
-        count += entry.get("message") == "Timer 'resync' succeeded." and obj.get("name") == name and obj.get("namespace") == ns
+        count += entry.get("message", "").startswith(f"reconciled {ns}/{name}:")
     return count
 
 

@@ -53,7 +53,10 @@ def _crd(_args) -> int:
 
 
 def _run(args) -> int:
-    os.environ["PAGEKUBE_RESYNC_SECONDS"] = str(args.resync_seconds)  # read when the handlers register
+    os.environ["PAGEKUBE_RESYNC_SECONDS"] = str(args.resync_seconds)  # read when the handlers module loads
+    os.environ["PAGEKUBE_WORKERS"] = str(args.workers)
+    os.environ["PAGEKUBE_NAMESPACES"] = ",".join(args.namespace or [])
+    os.environ["PAGEKUBE_METRICS_BIND_ADDRESS"] = args.metrics_bind_address
     import kopf
 
     from pagekube.operator import handlers  # noqa: F401  (registers the handlers)
@@ -80,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run the controller (kopf) against the current kubeconfig or in-cluster")
     run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable; default: all)")
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint")
-    run.add_argument("--resync-seconds", type=float, default=60.0, help="period of the full resync of every resource")
+    run.add_argument("--resync-seconds", type=float, default=600.0,
+                     help="period of each resource's resync from the caches (plus up to 10%% jitter)")
+    run.add_argument("--workers", type=int, default=4, help="reconcile passes that may run at once")
+    run.add_argument("--metrics-bind-address", default="0.0.0.0:8383",
+                     help="where /metrics (controller-runtime's names) listens; empty: off")
     run.add_argument("--log-format", choices=["json", "text"], default="json")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(fn=_run)

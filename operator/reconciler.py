@@ -1,18 +1,22 @@
-"""One reconcile pass against the API server: apply what differs, delete what is no longer wanted, write status.
+"""One reconcile pass: apply what differs, delete what is no longer wanted, write status.
 
 Writes are compare-then-apply: a child whose live state already contains every field we want gets no request at
 all; one that differs gets a server-side apply under one field manager. So an unchanged resource costs zero
 writes, and fields we leave out (the Deployment's replicas when KEDA owns them) are never touched.
 
-Reads: one LIST per owned kind (by the owner label) serves both the comparison and the pruning, so a pass costs
-one read per kind (six), plus the API-key Secret when one is referenced, instead of one GET per child on top; and
-one LIST of the engine pods while a rollout is under way (to see pods waiting for a GPU).
+Reads come from the controller's watch-fed caches (controller.py): a pass sends no GET or LIST for the children.
+Without a cache (a one-off pass), one LIST per owned kind serves comparison and pruning. The API-key Secret is
+read by name (never listed), and a Secret once found is trusted for SECRET_RECHECK_SECONDS; the engine pods are
+listed only while a GPU rollout is under way (to see pods waiting for a GPU).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kubernetes import client
 from kubernetes.dynamic import DynamicClient
@@ -69,33 +73,61 @@ class ReconcileResult:
     status: dict | None = None
 
 
-def check_servable(core: client.CoreV1Api, namespace: str, spec: LLMDeploymentSpec) -> list[tuple[str, str]]:
-    """What the schema cannot see but keeps the spec from running: (reason, message) pairs."""
-    problems = []
-    ref = spec.auth.api_key_secret_ref
-    if ref:
+SECRET_RECHECK_SECONDS = 600.0
+
+
+class SecretChecks:
+    """Whether a referenced Secret exists with its key: read by name; a Secret found is not read again for
+    SECRET_RECHECK_SECONDS (a resync must not GET it), one missing is read on every pass until it appears."""
+
+    def __init__(self, core: client.CoreV1Api, recheck_seconds: float = SECRET_RECHECK_SECONDS):
+        self.core, self.recheck_seconds = core, recheck_seconds
+        self._found: dict[tuple[str, str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def problems(self, namespace: str, spec: LLMDeploymentSpec) -> list[tuple[str, str]]:
+        """What the schema cannot see but keeps the spec from running: (reason, message) pairs."""
+        ref = spec.auth.api_key_secret_ref
+        if not ref:
+            return []
+        key = (namespace, ref.name, ref.key)
+        with self._lock:
+            if self._found.get(key, 0) > time.monotonic():
+                return []
         try:
-            secret = core.read_namespaced_secret(ref.name, namespace)
-            if ref.key not in (secret.data or {}):
-                problems.append(("SecretKeyMissing", f"Secret {namespace}/{ref.name} has no key {ref.key!r}"))
+            secret = self.core.read_namespaced_secret(ref.name, namespace)
         except client.ApiException as e:
             if e.status != 404:
                 raise
-            problems.append(("SecretNotFound", f"Secret {namespace}/{ref.name} (auth.apiKeySecretRef) does not exist"))
-    return problems
+            return [("SecretNotFound", f"Secret {namespace}/{ref.name} (auth.apiKeySecretRef) does not exist")]
+        if ref.key not in (secret.data or {}):
+            return [("SecretKeyMissing", f"Secret {namespace}/{ref.name} has no key {ref.key!r}")]
+        with self._lock:
+            self._found[key] = time.monotonic() + self.recheck_seconds
+        return []
+
+
+class ChildCache(Protocol):
+    def live_children(self, namespace: str, owner: str) -> dict[tuple[str, str], dict | None]: ...
+    def engine_pods(self, namespace: str, owner: str) -> list[dict]: ...
 
 
 class Reconciler:
-    def __init__(self, api: client.ApiClient | None = None):
+    def __init__(self, api: client.ApiClient | None = None, cache: ChildCache | None = None):
         self.api = api or client.ApiClient()
         self.dynamic = DynamicClient(self.api)
         self.core = client.CoreV1Api(self.api)
+        self.cache = cache
+        self.secrets = SecretChecks(self.core)
+        self._written: dict[tuple[str, str], dict] = {}  # the last status written per object (caches lag it)
 
     def _resource(self, api_version: str, kind: str):
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
 
     def _live_children(self, name: str, namespace: str) -> dict[tuple[str, str], dict | None]:
         """{(apiVersion, kind): {child name: live object}} for every owned kind; None for a kind not served."""
+        if self.cache is not None:
+            return self.cache.live_children(namespace, name)
         live: dict = {}
         for api_version, kind in OWNED_KINDS:
             try:
@@ -135,15 +167,19 @@ class Reconciler:
         """The scheduler's message for an engine pod it cannot place for want of GPUs (None: no such pod)."""
         if spec.resources.gpu == 0 or not rolling_out(live_engine):
             return None
-        pods = self.core.list_namespaced_pod(namespace, label_selector=naming.selector_string(name, "engine"))
-        return insufficient_gpu(self.api.sanitize_for_serialization(pods)["items"], spec.resources.gpu_resource_name)
+        if self.cache is not None:
+            pods = self.cache.engine_pods(namespace, name)
+        else:
+            listed = self.core.list_namespaced_pod(namespace, label_selector=naming.selector_string(name, "engine"))
+            pods = self.api.sanitize_for_serialization(listed)["items"]
+        return insufficient_gpu(pods, spec.resources.gpu_resource_name)
 
     def reconcile(self, body: dict) -> ReconcileResult:
         """Bring the children of one LLMDeployment (its full object as a dict) in line with its spec."""
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         spec = LLMDeploymentSpec.model_validate(body.get("spec") or {})
-        result = ReconcileResult(problems=check_servable(self.core, namespace, spec))
+        result = ReconcileResult(problems=self.secrets.problems(namespace, spec))
         blocked = bool(result.problems)
         deployment = gpu_wait = metrics = None
         if not blocked:
@@ -169,8 +205,10 @@ class Reconciler:
         new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked,
                              gpu_wait, metrics)
         old = body.get("status") or {}
-        if status_changed(merge_transition_times(new, old), old):
+        new = merge_transition_times(new, old)
+        if status_changed(new, old) and self._written.get((namespace, uid)) != new:
             client.CustomObjectsApi(self.api).patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, PLURAL, name, {"status": new})
+            self._written[(namespace, uid)] = new
             result.status = new
         return result

@@ -45,14 +45,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [secrets]
   verbs: [get]
 - apiGroups: [""]
-  resources: [pods]  # read-only: is a new engine pod waiting for a GPU? (rollout.strategy Auto)
-  verbs: [list]
+  resources: [pods]  # read-only, engine pods only (by label): is one waiting for a GPU? (rollout.strategy Auto)
+  verbs: [list, watch]
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
-  verbs: [get, list, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
-  verbs: [get, list, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create]
