@@ -75,9 +75,10 @@ def rule_file(tmp_path, request):
 
 
 def test_promtool_check_rules_passes(rule_file):
-    rule_file, _ = rule_file
+    rule_file, per_deployment = rule_file
     r = promtool("check", "rules", str(rule_file), cwd=rule_file.parent)
-    assert r.returncode == 0 and "SUCCESS: 6 rules found" in r.stdout, r.stdout + r.stderr
+    count = 6 if per_deployment else 7  # the chart's file also has the operator's own alert
+    assert r.returncode == 0 and f"SUCCESS: {count} rules found" in r.stdout, r.stdout + r.stderr
 
 
 def test_each_alert_fires_on_a_bad_series_and_stays_quiet_on_a_healthy_one(rule_file, tmp_path):
@@ -123,3 +124,18 @@ def test_at_zero_replicas_a_missing_activator_series_pages(tmp_path):
     r = promtool("test", "rules", "test.yaml", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PagekubeActivatorMetricAbsent" not in str(build_prometheus_rule("demo", "default", AlertThresholds()))
+
+
+def test_the_operator_alert_fires_while_passes_keep_failing(tmp_path):
+    shutil.copy(REPO / "charts/pagekube/files/alerts.yaml", tmp_path / "rules.yaml")
+    errors = 'controller_runtime_reconcile_errors_total{controller="llmdeployment",namespace="pagekube-system",pod="op-1"}'
+    fired = [{"exp_labels": {"severity": "warning", "namespace": "pagekube-system", "pod": "op-1"},
+              "exp_annotations": {"summary": "the pagekube operator op-1 fails 0.05 reconcile passes/s: see its log for "
+                                             "the object and the error",
+                                  "runbook_url": "https://pagekube.io/docs/alerts#pagekubeoperatorreconcileerrors"}}]
+    tests = [{"interval": "1m", "input_series": [{"series": errors, "values": values}],
+              "alert_rule_test": [{"eval_time": "30m", "alertname": "PagekubeOperatorReconcileErrors", "exp_alerts": exp}]}
+             for values, exp in (("0+3x30", fired), ("5x30", []))]  # 3 errors a minute vs none since the start
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": tests}, sort_keys=False))
+    r = promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr

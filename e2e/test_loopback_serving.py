@@ -155,14 +155,15 @@ def test_every_grafana_panel_query_returns_data_from_the_scraped_engines(engines
                                                      prompt="A shared system prompt that is long enough to fill one "
                                                             f"whole block of the cache, and then: question {i}"), range(8)))
     time.sleep(3)  # a few 1 s scrapes
-    for panel in dashboard["panels"]:
+    engine_panels = [p for p in dashboard["panels"] if not p["title"].startswith("Operator:")]  # those: scale test
+    for panel in engine_panels:
         for target in panel["targets"]:
             promql = target["expr"].replace("$__rate_interval", "1m").replace("$model_name", ".+")
             r = httpx.get(prometheus + "/api/v1/query", params={"query": promql}).json()
             assert r["status"] == "success", (panel["title"], promql, r)
             assert r["data"]["result"], f"{panel['title']}: no data for {promql}"
-    print(f"[e2e] {sum(len(p['targets']) for p in dashboard['panels'])} dashboard queries over "
-          f"{len(dashboard['panels'])} panels all returned data")
+    print(f"[e2e] {sum(len(p['targets']) for p in engine_panels)} dashboard queries over "
+          f"{len(engine_panels)} engine panels all returned data")
 
 
 def test_rolling_drain_loses_no_request(engines, nginx):

@@ -1,8 +1,8 @@
 """The controller: watch-fed caches, a coalescing work queue, and a bounded pool of workers running passes.
 
-Events (an LLMDeployment changed, one of its children changed) only queue the owner's key; a worker takes the key,
-reads the LLMDeployment and its children from the caches and runs one pass (reconciler.py), which writes only what
-differs. A pass that fails is retried with exponential backoff; each success schedules the next resync of that
+Events only queue the owner's key (an LLMDeployment's change at once, a child's after CHILD_EVENT_DELAY, so a
+burst is one pass); a worker takes the key, reads the LLMDeployment and its children from the caches and runs one
+pass (reconciler.py), which writes only what differs. A pass that fails is retried with exponential backoff; each success schedules the next resync of that
 object after `resync_seconds` plus up to 10% jitter, so a thousand objects' resyncs do not fire together. In steady
 state the operator sends the API server nothing but its open watches.
 """
@@ -30,6 +30,7 @@ PLURALS = {"Service": "services", "ConfigMap": "configmaps", "Deployment": "depl
            "ScaledObject": "scaledobjects", "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
            "PodDisruptionBudget": "poddisruptionbudgets"}
 MANAGED = f"app.kubernetes.io/managed-by={naming.MANAGED_BY}"
+CHILD_EVENT_DELAY = 0.5  # seconds; drift is still restored well within 2 s
 
 
 class ControllerMetrics:
@@ -122,9 +123,11 @@ class Controller:
             self.queue.add((obj["metadata"]["namespace"], obj["metadata"]["name"]))
 
     def _child_changed(self, event: str, obj: dict) -> None:
+        """Children change in bursts (a rollout moves a Deployment's status many times): their owner's pass waits
+        CHILD_EVENT_DELAY, and every event in that window is covered by the one pass."""
         owner = (obj["metadata"].get("labels") or {}).get(naming.OWNER_LABEL)
         if owner:
-            self.queue.add((obj["metadata"]["namespace"], owner))
+            self.queue.add_after((obj["metadata"]["namespace"], owner), CHILD_EVENT_DELAY)
 
     def _pod_changed(self, event: str, pod: dict) -> None:
         """Pods change often: only one the scheduler cannot place wakes its owner (the Unschedulable condition)."""
