@@ -154,3 +154,15 @@ def test_controller_metrics_move_and_a_failing_pass_counts_an_error(fleet, tmp_p
     finally:
         prom.stop()
         cp.kubectl("delete", "namespace", "taken", "--wait=false", check=False)
+
+
+def test_operator_scale_benchmark_smoke():
+    """bench/operator_scale.py end to end on a few LLMDeployments (its own control plane): every number is there."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "bench/operator_scale.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 6 | 2 |")]
+    assert len(rows) == 1 and "| 0.0 |" in rows[0], out.stdout  # steady state: no requests

@@ -33,54 +33,50 @@ def run_workers(queue: WorkQueue, n: int, work) -> list[threading.Thread]:
     return threads
 
 
+class Passes:
+    """Work that takes `seconds` and records each pass and the most passes that ran at once."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.done, self.active, self.peak, self.lock = seconds, [], 0, 0, threading.Lock()
+
+    def __call__(self, key):
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        time.sleep(self.seconds)
+        with self.lock:
+            self.active -= 1
+            self.done.append(key)
+
+
 def test_a_burst_of_events_for_one_key_gives_a_handful_of_passes_never_two_at_once():
     queue, registry = make_queue()
-    passes, active, peak, lock = [], [0], [0], threading.Lock()
-
-    def work(key):
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-        time.sleep(0.05)
-        with lock:
-            active[0] -= 1
-            passes.append(key)
-
+    work = Passes(0.05)
     run_workers(queue, 4, work)
     for _ in range(100):
         queue.add(("ns", "a"))
         time.sleep(0.001)
     deadline = time.monotonic() + 5
-    while (len(queue) or active[0]) and time.monotonic() < deadline:
+    while (len(queue) or work.active) and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.1)
     queue.shutdown()
-    assert 1 <= len(passes) <= 5, len(passes)  # 100 events in ~0.1 s: each pass covers every event before it
-    assert peak[0] == 1
-    assert metric(registry, "workqueue_adds_total") == len(passes)
+    assert 1 <= len(work.done) <= 5, len(work.done)  # 100 events in ~0.1 s: each pass covers every event before it
+    assert work.peak == 1
+    assert metric(registry, "workqueue_adds_total") == len(work.done)
 
 
 def test_different_keys_run_side_by_side():
     queue, _ = make_queue()
-    active, peak, lock, done = [0], [0], threading.Lock(), []
-
-    def work(key):
-        with lock:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-        time.sleep(0.2)
-        with lock:
-            active[0] -= 1
-            done.append(key)
-
+    work = Passes(0.2)
     run_workers(queue, 4, work)
     for name in "abcd":
         queue.add(("ns", name))
     deadline = time.monotonic() + 5
-    while len(done) < 4 and time.monotonic() < deadline:
+    while len(work.done) < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
     queue.shutdown()
-    assert sorted(k[1] for k in done) == list("abcd") and peak[0] == 4
+    assert sorted(k[1] for k in work.done) == list("abcd") and work.peak == 4
 
 
 def test_failures_back_off_exponentially_and_success_forgets_them():

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pagekube.engine.errors import EngineDeadError, RequestRejected
 from pagekube.engine.server.errors import APIError
 from pagekube.engine.server.protocol import EmbeddingRequest
-from pagekube.engine.server.routes import check_model, require_engine, server_state
+from pagekube.engine.server.routes import check_model, enter_queue, require_engine, server_state
 from pagekube.engine.server.state import ServerState
 
 router = APIRouter()
@@ -29,13 +29,7 @@ async def embeddings(body: EmbeddingRequest, state: ServerState = Depends(server
         raise APIError(400, f"the model {state.model_name!r} generates text and makes no embeddings; serve an "
                             "embedding model (or this one with --runner pooling) for /v1/embeddings",
                        param="model", code="unsupported_model")
-    if state.draining:
-        raise APIError(503, "the server is draining (shutting down); retry on another replica", code="draining",
-                       retry_after=1)
-    if eng.num_waiting() >= state.config.max_waiting_requests:
-        raise APIError(429, f"the queue is full ({state.config.max_waiting_requests} waiting inputs)",
-                       code="queue_full", retry_after=1)
-    eng.reserve()  # counted as waiting while it tokenizes; its inputs count once queued (no await between)
+    enter_queue(state, eng)  # counted as waiting while it tokenizes; its inputs count once queued (no await between)
     try:
         eng.engine.check_dimensions(body.dimensions)
         prompts = await eng.run_tokenizer(eng.engine.prepare_inputs, body.input, body.truncate_prompt_tokens,

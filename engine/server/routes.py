@@ -179,13 +179,19 @@ def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
     if eng.engine.runner_type == "pooling":
         raise APIError(400, f"the model {state.model_name!r} is an embedding model (the pooling runner): it serves "
                             "/v1/embeddings, not completions", param="model", code="unsupported_model")
+    return enter_queue(state, eng)
+
+
+def enter_queue(state: ServerState, eng):
+    """Drain and queue-length admission, for generation and embeddings alike; the request counts as waiting from
+    here (`reserve`): its handler releases it once its work is queued in the engine."""
     if state.draining:
         raise APIError(503, "the server is draining (shutting down); retry on another replica", code="draining",
                        retry_after=1)
     if eng.num_waiting() >= state.config.max_waiting_requests:
         raise APIError(429, f"the queue is full ({state.config.max_waiting_requests} waiting requests)",
                        code="queue_full", retry_after=1)
-    eng.reserve()  # counted as waiting from here: the handler releases it once its requests are added
+    eng.reserve()
     return eng
 
 
