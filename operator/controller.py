@@ -87,7 +87,8 @@ class Controller:
                         for ns in scopes]
         self.children: dict[tuple[str, str], list[Informer]] = {
             (api_version, kind): [Informer(api, api_version, kind, PLURALS[kind], ns, MANAGED, naming.OWNER_LABEL,
-                                           self._child_changed, crd_recheck_seconds) for ns in scopes]
+                                           self._child_changed, crd_recheck_seconds, self._kind_served)
+                                  for ns in scopes]
             for api_version, kind in OWNED_KINDS}
         # Engine pods, for the GPU check only (a pod the scheduler cannot place): cached, never listed per pass.
         self.pods = [Informer(api, "v1", "Pod", "pods", ns, f"{MANAGED},app.kubernetes.io/component=engine",
@@ -128,6 +129,13 @@ class Controller:
         owner = (obj["metadata"].get("labels") or {}).get(naming.OWNER_LABEL)
         if owner:
             self.queue.add_after((obj["metadata"]["namespace"], owner), CHILD_EVENT_DELAY)
+
+    def _kind_served(self) -> None:
+        """A CRD was installed after the operator started (KEDA, prometheus-operator): every LLMDeployment gets a
+        pass now, so those waiting on it (MissingCRD) get their children without waiting for their resync."""
+        for informer in self.parents:
+            for key in informer.keys():
+                self.queue.add(key)
 
     def _pod_changed(self, event: str, pod: dict) -> None:
         """Pods change often: only one the scheduler cannot place wakes its owner (the Unschedulable condition)."""

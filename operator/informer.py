@@ -31,12 +31,13 @@ class Gone(Exception):
 class Informer:
     def __init__(self, api: client.ApiClient, api_version: str, kind: str, plural: str, namespace: str | None,
                  label_selector: str | None, owner_label: str | None, on_change: Callable[[str, dict], None],
-                 recheck_seconds: float = 60.0):
+                 recheck_seconds: float = 60.0, on_served: Callable[[], None] | None = None):
         self.api, self.api_version, self.kind = api, api_version, kind
         group_path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
         self.path = f"{group_path}/namespaces/{namespace}/{plural}" if namespace else f"{group_path}/{plural}"
         self.label_selector, self.owner_label, self.on_change = label_selector, owner_label, on_change
         self.recheck_seconds = recheck_seconds
+        self.on_served = on_served  # called when a kind not served before is served now (its CRD installed)
         self.served: bool | None = None  # None until the first LIST answered
         self.synced = threading.Event()
         self._lock = threading.Lock()
@@ -120,11 +121,14 @@ class Informer:
             if not token:
                 break
             params = [("limit", str(LIST_PAGE)), ("continue", token)]
-        if self.served is False:
-            log.info("%s (%s) is served now", self.kind, self.api_version)
+        newly_served = self.served is False
         self.served = True
         self._replace({_key(o): _with_type(o, self.api_version, self.kind) for o in items})
         self.synced.set()
+        if newly_served:
+            log.info("%s (%s) is served now", self.kind, self.api_version)
+            if self.on_served is not None:
+                self.on_served()
         return page["metadata"]["resourceVersion"]
 
     def _watch(self, resource_version: str) -> str:

@@ -43,6 +43,13 @@ def stream_completion(url: str, max_tokens: int, results: list, started: threadi
         results.append((finish, done, repr(e)))
 
 
+def waiting(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:num_requests_waiting{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def start_streams(url: str, count: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
     results: list = []
     events = [threading.Event() for _ in range(count)]
@@ -115,7 +122,9 @@ def test_full_queue_answers_429_with_retry_after_and_keeps_serving(make_server):
         t = threading.Thread(target=stream_completion, args=(srv.url, 400, results))
         t.start()
         threads.append(t)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30  # until two wait and the third has had its answer (a fixed sleep raced)
+    while time.monotonic() < deadline and not (waiting(srv.url) == 2 and len(results) >= 1):
+        time.sleep(0.05)
     rejected = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
                           timeout=120)
     assert rejected.status_code == 429, rejected.text
