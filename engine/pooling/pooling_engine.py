@@ -8,6 +8,7 @@ No KV cache is kept: a pooling request is one forward and done.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -110,22 +111,20 @@ class PoolingEngine:
     def embed_batch(self, prompts: Sequence[list[int]]) -> torch.Tensor:
         """Pooled states [inputs, hidden] in float32, not yet normalized, of prompts that fit one forward."""
         lens = [len(p) for p in prompts]
-        bounds = [0]
-        for n in lens:
-            bounds.append(bounds[-1] + n)
+        bounds = [0, *itertools.accumulate(lens)]
         ids = torch.tensor([t for p in prompts for t in p], device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         hidden = self.model(ids, positions, bounds)
         starts = torch.tensor(bounds[:-1], device=self.device)
+        counts = torch.tensor(lens, device=self.device)
         kind = self.pooler.pooling_type
         if kind == "CLS":
             return hidden[starts].float()
         if kind == "LAST":
-            return hidden[starts + torch.tensor(lens, device=self.device) - 1].float()
-        segment = torch.repeat_interleave(torch.arange(len(lens), device=self.device),
-                                          torch.tensor(lens, device=self.device))
+            return hidden[starts + counts - 1].float()
+        segment = torch.repeat_interleave(torch.arange(len(lens), device=self.device), counts)
         sums = torch.zeros(len(lens), hidden.shape[1], device=self.device).index_add_(0, segment, hidden.float())
-        return sums / torch.tensor(lens, device=self.device, dtype=torch.float32)[:, None]
+        return sums / counts[:, None].float()
 
     def batches(self, prompts: Sequence[list[int]]) -> list[list[int]]:
         """Indices of `prompts` grouped into forwards of at most max_num_batched_tokens tokens, in order."""
