@@ -6,7 +6,6 @@ the kubelet and controllers would, and says so.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import ssl
@@ -19,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from tests.k8s_tools import REPO, kubectl, third_party_crd_files, tool_paths
-from tests.server_process import free_port
+from tests.server_process import free_port, json_log_lines
 
 ADMIN_TOKEN = "pagekube-e2e-admin-token"
 # Every request that writes, with its verb and object: the idempotence tests count them.
@@ -186,8 +185,7 @@ current-context: e2e
                  exclude_users: tuple[str, ...] = ()) -> list[dict]:
         """Requests in the audit log so far (one entry per request, at ResponseComplete); watches are not logged."""
         events = []
-        for line in self.audit_log.read_text().splitlines():
-            e = json.loads(line)
+        for e in json_log_lines(self.audit_log):
             ref = e.get("objectRef") or {}
             if e.get("stage") != "ResponseComplete" or (namespace and ref.get("namespace") != namespace):
                 continue

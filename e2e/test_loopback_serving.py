@@ -25,7 +25,7 @@ from e2e.waiting import wait_for
 from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.spec import LLMDeploymentSpec
 from tests.k8s_tools import REPO
-from tests.server_process import ServerProcess, metric
+from tests.server_process import ServerProcess, json_log_lines, metric
 
 pytestmark = pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("prometheus")),
                                 reason="nginx and prometheus (Debian packages) are installed by scripts/test-deps.sh")
@@ -201,3 +201,34 @@ def test_rolling_drain_loses_no_request(engines, nginx):
     assert [r[0] for r in results] == ["length"] * 32
     assert all(len(r[1]) > 0 for r in results)
     assert leaving.proc.wait(120) == 0  # drained and exited cleanly
+
+
+def test_a_draining_replica_still_in_the_pod_list_loses_no_new_request(engines, tmp_path):
+    """A deleted pod drains while NGINX still lists it (its DNS answer outlives the endpoint removal when the
+    preStop sleep is shorter than the resolver's cache): the refusals (503, not started) reach the other engine."""
+    leaving = ServerProcess(*ENGINE_ARGS, "--served-model-name", SPEC.model.name, log_path=tmp_path / "leaving.log",
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}).wait_ready()
+    (tmp_path / "nginx").mkdir()
+    lb = Nginx(tmp_path / "nginx", SPEC, [f"127.0.0.1:{engines[0].port}", f"127.0.0.1:{leaving.port}"])
+    direct = openai.OpenAI(base_url=leaving.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # A long stream straight to the leaving engine keeps its drain going while new requests arrive.
+            held = pool.submit(lambda: list(direct.completions.create(
+                model=SPEC.model.name, prompt="Tale:", max_tokens=1000, stream=True, extra_body={"ignore_eos": True})))
+            wait_for(lambda: metric(httpx.get(leaving.url + "/metrics").text, "vllm:num_requests_running"),
+                     lambda v: v > 0, 60, what="the held stream running")
+            leaving.signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(leaving.url + "/health").status_code, lambda s: s == 503, 10,
+                     what="the leaving engine draining")
+            answers = [client(lb).completions.create(model=SPEC.model.name, prompt=f"New user {i}", max_tokens=4)
+                       for i in range(8)]
+            assert held.result() and leaving.proc.wait(60) == 0  # the held stream finished, then the drain ended
+    finally:
+        lb.stop()
+        leaving.stop()
+    refused = [e for e in json_log_lines(lb.dir / "nginx.out") if "503" in e["upstream_status"]]
+    print(f"\n[e2e] 8 new requests while a listed engine drained: {len(refused)} refused by it and passed on "
+          f"({sorted({e['upstream_status'] for e in refused})}), all answered")
+    assert all(a.choices[0].finish_reason == "length" for a in answers)
+    assert refused and all(e["status"] == 200 for e in refused), refused  # the refusals happened, and were recovered

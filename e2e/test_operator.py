@@ -18,6 +18,7 @@ from e2e.waiting import wait_for
 from pagekube.operator.cli import render
 from pagekube.operator.reconciler import contains
 from tests.k8s_tools import REPO
+from tests.server_process import json_log_lines
 
 CHILD_KINDS = "deployments,services,configmaps,scaledobjects,servicemonitors,prometheusrules"
 
@@ -71,11 +72,7 @@ def operator_writes(cp, ns) -> list[str]:
 
 def resyncs(op, ns, name) -> int:
     """Completed passes over one LLMDeployment, from the operator's JSON log."""
-    count = 0
-    for line in op.log_path.read_text().splitlines():
-        entry = json.loads(line) if line.startswith("{") else {}
-        count += entry.get("message", "").startswith(f"reconciled {ns}/{name}:")
-    return count
+    return sum(e.get("message", "").startswith(f"reconciled {ns}/{name}:") for e in json_log_lines(op.log_path))
 
 
 @pytest.fixture(scope="module")

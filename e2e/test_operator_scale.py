@@ -20,6 +20,7 @@ from e2e.loopback import Prometheus
 from e2e.waiting import wait_for
 from pagekube.operator.monitoring import OPERATOR_RECONCILE_ERRORS
 from tests.k8s_tools import REPO
+from tests.server_process import json_log_lines
 
 NS, FLEET, RESYNC = "fleet", 50, 5
 OPERATOR_AGENTS = ("OpenAPI-Generator", "kopf")  # the operator's clients (kubectl and the KCM are someone else)
@@ -39,8 +40,7 @@ def operator_requests(cp, since: int, verbs) -> list[str]:
 
 
 def passes(op, name: str) -> int:
-    return sum(json.loads(line).get("message", "").startswith(f"reconciled {NS}/{name}:")
-               for line in op.log_path.read_text().splitlines() if line.startswith("{"))
+    return sum(e.get("message", "").startswith(f"reconciled {NS}/{name}:") for e in json_log_lines(op.log_path))
 
 
 def samples(op) -> dict[str, float]:

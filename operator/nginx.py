@@ -1,8 +1,9 @@
 """The NGINX load balancer in front of the engine pods: its config, ConfigMap, Deployment and Service.
 
 least_conn suits LLM traffic (requests last seconds to minutes, so open connections measure load). Streaming
-needs proxy_buffering off. A generation is never replayed: nginx retries only failures to connect (a POST already
-sent is not passed on, as we leave out `non_idempotent`).
+needs proxy_buffering off. A generation is never replayed: nginx retries failures to connect, and requests an
+engine refused with 503 before starting them (draining, loading); a POST that reached an engine and then failed
+is not passed on.
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ def render_nginx_conf(spec: LLMDeploymentSpec, upstreams: list[str], resolver: s
     servers = "\n".join([*(server(u, " max_fails=1 fail_timeout=5s") for u in upstreams),
                          *(server(b, " backup") for b in backups)])
     resolver_line = f"    resolver {resolver};\n" if needs_dns else ""
+    proxy = f"""            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $host;
+            proxy_set_header X-Request-ID $request_id;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_buffering off;
+            proxy_cache off;
+            proxy_connect_timeout 5s;
+            proxy_send_timeout {lb.read_timeout_seconds}s;
+            proxy_read_timeout {lb.read_timeout_seconds}s;"""
     return f"""# Rendered by pagekube-operator. Do not edit: the operator restores it.
 worker_processes auto;
 pid nginx.pid;
@@ -101,18 +113,19 @@ http {{
         }}
 
         location / {{
-            proxy_pass http://engine;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_set_header Host $host;
-            proxy_set_header X-Request-ID $request_id;
-            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-            proxy_buffering off;
-            proxy_cache off;
-            proxy_connect_timeout 5s;
-            proxy_send_timeout {lb.read_timeout_seconds}s;
-            proxy_read_timeout {lb.read_timeout_seconds}s;
+{proxy}
             proxy_next_upstream error timeout;
+            proxy_next_upstream_tries 3;
+            proxy_intercept_errors on;  # only codes with an error_page: 503
+            error_page 503 = @refused;
+        }}
+
+        # The engine answered 503 (draining, loading, stopped) before starting the request, as a pod whose endpoint
+        # removal has not reached us yet does: pass it on. Should the retry land on a refusing engine
+        # too, that 503 counts as its failure (max_fails), so the next try and the next 5 s go elsewhere.
+        location @refused {{
+{proxy}
+            proxy_next_upstream http_503 non_idempotent;
             proxy_next_upstream_tries 3;
         }}
     }}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,14 @@ import time
 from pathlib import Path
 
 import httpx
+
+
+def json_log_lines(path: Path) -> list[dict]:
+    """The JSON lines a live process has finished writing: the last line may still be half-written, so only lines
+    ended by a newline count (other lines, such as a library's plain-text warnings, are skipped)."""
+    text = path.read_text(errors="replace")
+    complete = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.startswith("{")]
 
 
 def free_port() -> int:

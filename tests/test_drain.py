@@ -127,7 +127,7 @@ def test_full_queue_answers_429_with_retry_after_and_keeps_serving(make_server):
         time.sleep(0.05)
     rejected = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
                           timeout=120)
-    assert rejected.status_code == 429, rejected.text
+    assert rejected.status_code == 429, (rejected.text, waiting(srv.url), results, time.monotonic() - deadline)
     assert rejected.headers["retry-after"] and rejected.json()["error"]["code"] == "queue_full"
     for t in threads:
         t.join(120)

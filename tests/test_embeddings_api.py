@@ -4,7 +4,6 @@ base64 and float, token ids, matryoshka dimensions, truncation, every documented
 from __future__ import annotations
 
 import concurrent.futures
-import json
 
 import httpx
 import numpy as np
@@ -12,7 +11,7 @@ import openai
 import pytest
 
 from tests.embedding_models import TEXTS, minilm_dir, write_tiny_bert
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, json_log_lines
 
 
 def start(*args: str) -> ServerProcess:
@@ -114,8 +113,8 @@ def test_requests_are_counted_under_vllm_names_and_logged_once_each(client, mini
     after = counters()
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == r.usage.prompt_tokens
     assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 2  # vLLM counts inputs
-    logged = [json.loads(line) for line in minilm_server.log_path.read_text().splitlines()
-              if r.id in line and '"request_finished"' in line]
+    logged = [e for e in json_log_lines(minilm_server.log_path)
+              if e.get("event") == "request_finished" and r.id in str(e.get("id"))]
     assert len(logged) == 1 and logged[0]["inputs"] == 2 and "prompt" not in logged[0]
 
 

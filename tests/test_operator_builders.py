@@ -131,7 +131,11 @@ def test_nginx_config_streams_and_never_replays():
                  "proxy_http_version 1.1;", 'proxy_set_header Connection "";', "keepalive 128;",
                  "proxy_next_upstream error timeout;"]:
         assert line in conf
-    assert "non_idempotent" not in conf and "resolver" not in conf  # IP upstreams need no DNS
+    assert "resolver " not in conf  # IP upstreams need no DNS
+    # A POST is passed on only after an engine's 503 (refused before starting it), never after a failure midway.
+    main, refused = conf.split("location / {")[1].split("location @refused {")
+    assert "non_idempotent" not in main and "error_page 503 = @refused;" in main
+    assert "proxy_next_upstream http_503 non_idempotent;" in refused
     cluster = render_nginx_conf(spec_of(), ["x-engine-pods.ns.svc.cluster.local:8000"])
     assert "resolve max_fails" in cluster and "resolver kube-dns" in cluster
 

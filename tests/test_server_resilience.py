@@ -18,7 +18,7 @@ from pagekube.engine.async_engine import AsyncEngine
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.engine.server.app import ServerState, create_app
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, json_log_lines
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_every_request_gets_one_log_line_without_prompt_text(logged_server):
             "messages": [{"role": "user", "content": secret}], "max_tokens": 4, "stream": True}) as r:
         list(r.iter_lines())
     time.sleep(0.5)
-    lines = [json.loads(x) for x in logged_server.log_path.read_text().splitlines() if x.startswith("{")]
+    lines = json_log_lines(logged_server.log_path)
     finished = [x for x in lines if x.get("event") == "request_finished"]
     assert secret not in logged_server.log_path.read_text()
     plain = [x for x in finished if x["id"].startswith("cmpl-")][-1]
@@ -100,7 +100,7 @@ def test_health_is_503_loading_while_the_model_loads(tiny_dir):
         assert first is not None and first.status_code == 503
         assert first.json()["error"]["code"] == "loading"
         srv.wait_ready()
-        messages = [json.loads(line)["msg"] for line in srv.log_path.read_text().splitlines() if line.startswith("{")]
+        messages = [e["msg"] for e in json_log_lines(srv.log_path)]
         listening = next(i for i, m in enumerate(messages) if m.startswith("Uvicorn running on"))
         assert listening < messages.index("loading the model")  # the socket listens before torch is imported
     finally:

@@ -96,11 +96,12 @@ def start_autoscaling(node: Node, keda_bin: Path) -> PodDiscovery:
                               f"--storage.tsdb.path={d / 'prometheus'}",
                               f"--web.listen-address=0.0.0.0:{PROMETHEUS_PORT}"])
 
-    node.kubectl("apply", "--server-side", *[a for crd in sorted(keda_bin.glob("keda.sh_*.yaml"))
-                                              for a in ("-f", str(crd))])
-    node.wait("KEDA's CRDs", lambda: node.kubectl(
-        "get", "crd", "scaledobjects.keda.sh", "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}",
-        check=False).stdout == "True", 60)
+    # Every CRD KEDA ships, eventing.keda.sh's included: its operator watches them all, and one missing makes it
+    # exit two minutes after start (its cache never syncs), which leaves the HPA without metrics.
+    crds = sorted(keda_bin.glob("*.yaml"))
+    node.kubectl("apply", "--server-side", *[a for crd in crds for a in ("-f", str(crd))])
+    names = [yaml.safe_load(crd.read_text())["metadata"]["name"] for crd in crds]
+    node.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in names])
     node.kubectl("apply", "-f", "-", input=_metrics_api_service((d / "ca.crt").read_bytes()))
 
     env = {**os.environ, "KUBECONFIG": str(node.kubeconfig), "POD_NAMESPACE": "keda", "WATCH_NAMESPACE": "",

@@ -225,6 +225,9 @@ class Node:
             ns, name = pod.split("/")
             logs = self.kubectl("logs", "-n", ns, name, "--all-containers", "--tail=10", check=False)
             out.append(f"--- {pod}\n{(logs.stdout + logs.stderr)[-2500:]}")
+        for name, p in self.procs.items():  # a node process (KEDA, Prometheus, the kubelet) that exited early
+            if p.poll() is not None:
+                out.append(f"--- {name} exited with {p.returncode}\n{(self.workdir / f'{name}.log').read_text()[-2500:]}")
         return "\n".join(out)
 
     def spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
