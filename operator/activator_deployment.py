@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pagekube.operator import naming
 from pagekube.operator.nginx import cluster_upstreams
+from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.services import cluster_ip_service
 from pagekube.operator.spec import LLMDeploymentSpec
 
 METRICS_PATH = "/activator/metrics"
+ACTIVATOR_UID = 1000  # the operator image's user (images/operator/Dockerfile)
 
 
 def build_activator_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
@@ -40,9 +42,11 @@ def build_activator_deployment(name: str, namespace: str, spec: LLMDeploymentSpe
                         "readinessProbe": probe,
                         "livenessProbe": probe,
                         "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
-                        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
-                                            "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                        "securityContext": container_security_context(read_only_root=True),
                     }],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "securityContext": pod_security_context(ACTIVATOR_UID),
                     # Held requests wait for an engine; a restart would drop them, so let them finish first.
                     "terminationGracePeriodSeconds": a.hold_timeout_seconds + 10,
                     "enableServiceLinks": False,

@@ -7,10 +7,12 @@ import math
 from kubernetes.utils import parse_quantity
 
 from pagekube.operator import engine_flags, naming
+from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.rollout import deployment_strategy
 from pagekube.operator.spec import LLMDeploymentSpec
 
 MODELS_DIR = "/models"
+ENGINE_UID = 1000  # the engine image's user (images/engine/Dockerfile)
 S3_IMAGE = "amazon/aws-cli:2.22.35"
 # Runs in the engine image (huggingface_hub comes with transformers); HF_TOKEN etc. come from engine.env.
 HF_DOWNLOAD = (
@@ -116,7 +118,8 @@ def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[di
     else:  # s3
         init = {"name": "model-download", "image": S3_IMAGE, "args": ["s3", "sync", spec.model.source, model_path(spec)]}
         env = [{"name": "HOME", "value": "/tmp"}, *env]  # runs as the pod's non-root user: aws-cli needs a writable home
-    init.update({"env": env, "volumeMounts": mounts})
+    # The download writes only to the models volume and its own caches (HOME in the image): root stays writable.
+    init.update({"env": env, "volumeMounts": mounts, "securityContext": container_security_context(read_only_root=False)})
     return [volume], [init]
 
 
@@ -154,14 +157,15 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
         "livenessProbe": _probe("/health", 10, max(3, math.ceil(grace / 10))),
         # The sleep lets endpoint removal reach every load balancer before SIGTERM starts the drain.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.drain.pre_stop_delay_seconds)]}}},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        # Writable root: the engine compiles and caches kernels (CPU extension, Triton) under its HOME.
+        "securityContext": container_security_context(read_only_root=False),
     }
     pod_spec: dict = {
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": grace,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+        "securityContext": pod_security_context(ENGINE_UID, fs_group=True),
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers

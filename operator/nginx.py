@@ -12,10 +12,12 @@ import hashlib
 import ipaddress
 
 from pagekube.operator import naming
+from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.services import cluster_ip_service
 from pagekube.operator.spec import LLMDeploymentSpec
 
 CONFIG_KEY = "nginx.conf"
+NGINX_UID = 101  # the nginx user of the Debian and official images
 CONFIG_DIR = "/etc/nginx/pagekube"
 NGINX = ["nginx", "-p", "/tmp", "-e", "stderr", "-c", f"{CONFIG_DIR}/{CONFIG_KEY}"]  # the pid file: /tmp/nginx.pid
 NGINX_COMMAND = [*NGINX, "-g", "daemon off;"]
@@ -175,14 +177,11 @@ def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -
                                 {"name": "tmp", "mountPath": "/tmp"},
                             ],
                             "lifecycle": {"preStop": {"exec": {"command": NGINX_PRE_STOP}}},
-                            "securityContext": {
-                                "runAsNonRoot": True,
-                                "runAsUser": 101,
-                                "allowPrivilegeEscalation": False,
-                                "capabilities": {"drop": ["ALL"]},
-                            },
+                            # nginx writes only under its prefix, /tmp (an emptyDir)
+                            "securityContext": container_security_context(read_only_root=True),
                         }
                     ],
+                    "securityContext": pod_security_context(NGINX_UID),
                     "terminationGracePeriodSeconds": lb.read_timeout_seconds + 10,
                     "volumes": [
                         {"name": "config", "configMap": {"name": naming.lb_name(name)}},

@@ -14,6 +14,8 @@ import pytest
 from e2e.node.node import Node, in_netns
 from tests.k8s_tools import REPO
 
+RESTRICTED = ("pod-security.kubernetes.io/enforce", "restricted")
+
 OPERATOR_IMAGE = ("localhost/pagekube-operator", "dev")
 ENGINE_IMAGE = "localhost/pagekube-engine:cpu"
 NGINX_IMAGE = "localhost/nginx:sid"
@@ -24,6 +26,11 @@ def node(tmp_path_factory, pytestconfig):
     n = Node(tmp_path_factory.mktemp("node"))
     try:
         n.start()
+        # As in a production cluster: the API server's PodSecurity admission judges every pod the tests' namespaces
+        # get (the LLMDeployments' in default, the operator's in pagekube-system) by the "restricted" profile.
+        for ns in ("default", "pagekube-system"):
+            n.kubectl("create", "namespace", ns, check=False)
+            n.kubectl("label", "--overwrite", "namespace", ns, f"{RESTRICTED[0]}={RESTRICTED[1]}")
         reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
         if reporter:
             t = n.timings

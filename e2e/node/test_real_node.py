@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from e2e.node.conftest import ENGINE_IMAGE, NGINX_IMAGE
+from e2e.node.conftest import ENGINE_IMAGE, NGINX_IMAGE, RESTRICTED
 from e2e.node.node import in_netns
 from e2e.waiting import wait_for
 
@@ -124,6 +124,23 @@ def test_apply_serves_a_chat_completion_through_nginx_and_kube_proxy(node, serve
     assert all(r["chunks"] >= MAX_TOKENS // 2 and r["completion_tokens"] == MAX_TOKENS for r in results), results
 
 
+def test_the_restricted_namespace_admits_every_pod_the_operator_renders(node, served):
+    """The namespace enforces the "restricted" Pod Security Standard (e2e/node/conftest.py): the real API server
+    refuses a pod that breaks it, and admitted every engine and NGINX pod of this LLMDeployment."""
+    labels = json.loads(node.kubectl("get", "namespace", "default", "-o", "json").stdout)["metadata"]["labels"]
+    assert labels.get(RESTRICTED[0]) == RESTRICTED[1]
+    plain = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": "default"},
+             "spec": {"containers": [{"name": "c", "image": NGINX_IMAGE}]}}
+    refused = node.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(plain), check=False)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted' in refused.stderr, refused.stderr
+    for component in ("engine", "load-balancer"):
+        pods = component_pods(node, component)
+        assert pods and all(ready(p) for p in pods), component
+        assert pods[0]["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    events = node.kubectl("get", "events", "--field-selector", "reason=FailedCreate", "-o", "json").stdout
+    assert json.loads(events)["items"] == []
+
+
 def test_rolling_restart_under_load_loses_no_stream(node, served, stream_runs):
     apply(node, replicas=2)
     wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r == [True, True], timeout=300,
@@ -145,6 +162,7 @@ def test_rolling_restart_under_load_loses_no_stream(node, served, stream_runs):
 
 
 def test_deleting_a_busy_pod_drains_it_and_others_take_new_requests(node, served, stream_runs):
+    apply(node, replicas=2)  # as the rollout test left it (run alone, this test scales up itself)
     wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r == [True, True], timeout=300,
              what="two ready engine pods", interval=2)
     run = stream_runs(served, streams=8, max_tokens=LONG)
