@@ -38,7 +38,7 @@ def test_operator_runs_on_the_charts_rbac_alone(control_plane, tmp_path):
     try:
         cp.kubectl("apply", "-f", "-", input=manifest("rbac", NAMESPACE, autoscaling={"enabled": True},
                                                        monitoring={"serviceMonitor": True, "prometheusRule": True}))
-        wait_for(lambda: len(children(cp, NAMESPACE, "rbac")) == 9, what="9 children made with the chart's RBAC")
+        wait_for(lambda: len(children(cp, NAMESPACE, "rbac")) == 11, what="11 children made with the chart's RBAC")
         wait_for(lambda: condition(cp, NAMESPACE, "rbac", "Progressing").get("status") == "True", what="status written")
         cp.kubectl("delete", "configmap", "rbac-lb", "-n", NAMESPACE)
         wait_for(lambda: cp.kubectl("get", "configmap", "rbac-lb", "-n", NAMESPACE, check=False).returncode == 0,

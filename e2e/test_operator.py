@@ -20,7 +20,7 @@ from pagekube.operator.reconciler import contains
 from tests.k8s_tools import REPO
 from tests.server_process import json_log_lines
 
-CHILD_KINDS = "deployments,services,configmaps,scaledobjects,servicemonitors,prometheusrules"
+CHILD_KINDS = "deployments,services,configmaps,poddisruptionbudgets,scaledobjects,servicemonitors,prometheusrules"
 
 
 def get(cp, *args) -> dict | None:
@@ -90,7 +90,9 @@ def namespace(control_plane, request):
 def test_apply_examples_creates_owned_children_progressing_then_ready(control_plane, op):
     cp = control_plane
     cp.kubectl("apply", "-f", str(REPO / "examples"))
-    expected = {"smollm2": 6, "qwen": 6, "llama-8b": 12}  # llama-8b scales to zero: + activator, its Service, ServiceMonitor
+    # 3 Services, 1 ConfigMap, 2 Deployments, 2 PodDisruptionBudgets; llama-8b scales to zero: + ScaledObject,
+    # the activator's Deployment, Service and ServiceMonitor, and the engine's ServiceMonitor and PrometheusRule
+    expected = {"smollm2": 8, "qwen": 8, "llama-8b": 14}
     for name, count in expected.items():
         items = wait_for(lambda n=name, c=count: len(children(cp, "default", n)) == c and children(cp, "default", n),
                          what=f"{name}'s {count} children")
@@ -123,7 +125,7 @@ def test_resync_of_an_unchanged_resource_writes_nothing_and_drift_is_restored(co
     cp, ns = control_plane, namespace
     # Quantities the API server rewrites ("0.5" -> "500m", "1024Mi" -> "1Gi") must not look like drift.
     apply_manifest(cp, manifest("idem", ns, resources={"gpu": 1, "cpu": "0.5", "memory": "1024Mi"}))
-    wait_for(lambda: len(children(cp, ns, "idem")) == 6, what="children")
+    wait_for(lambda: len(children(cp, ns, "idem")) == 8, what="children")
     time.sleep(8)  # let the first status writes settle
     before, resyncs_before = len(operator_writes(cp, ns)), resyncs(op, ns, "idem")
     reads_before = len(operator_requests(cp, ns, ("get", "list")))
@@ -179,7 +181,7 @@ def test_spec_updates_reach_children_and_keda_owns_replicas(control_plane, op, n
 def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, op, namespace):
     cp, ns = control_plane, namespace
     apply_manifest(cp, manifest("gone", ns, autoscaling={"enabled": True}, monitoring={"serviceMonitor": True, "prometheusRule": True}))
-    wait_for(lambda: len(children(cp, ns, "gone")) == 9, what="9 children")
+    wait_for(lambda: len(children(cp, ns, "gone")) == 11, what="11 children")
     cp.kubectl("delete", "llmd", "gone", "-n", ns)
     wait_for(lambda: children(cp, ns, "gone") == [], timeout=90, what="garbage collection")
 

@@ -8,6 +8,7 @@ from pagekube.operator.activator_deployment import (
     build_activator_service,
 )
 from pagekube.operator.autoscaling import build_scaled_object
+from pagekube.operator.availability import build_pod_disruption_budget
 from pagekube.operator.engine_deployment import build_engine_deployment
 from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
 from pagekube.operator.nginx import build_nginx_configmap, build_nginx_deployment, build_nginx_service
@@ -41,6 +42,10 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
             build_nginx_deployment(name, namespace, spec),
             build_nginx_service(name, namespace),
         ]
+    if spec.availability.pod_disruption_budget:
+        objects.append(build_pod_disruption_budget(name, namespace, "engine", spec))
+        if spec.load_balancer.enabled:
+            objects.append(build_pod_disruption_budget(name, namespace, "load-balancer", spec))
     if spec.autoscaling.enabled:
         objects.append(build_scaled_object(name, namespace, spec))
     if spec.autoscaling.scales_to_zero:

@@ -7,6 +7,7 @@ import math
 from kubernetes.utils import parse_quantity
 
 from pagekube.operator import engine_flags, naming
+from pagekube.operator.availability import topology_spread
 from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.rollout import deployment_strategy
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -169,6 +170,8 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
+    if spread := topology_spread(name, "engine", spec):
+        pod_spec["topologySpreadConstraints"] = spread
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:

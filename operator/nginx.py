@@ -12,6 +12,7 @@ import hashlib
 import ipaddress
 
 from pagekube.operator import naming
+from pagekube.operator.availability import topology_spread
 from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.services import cluster_ip_service
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -182,6 +183,7 @@ def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -
                         }
                     ],
                     "securityContext": pod_security_context(NGINX_UID),
+                    **({"topologySpreadConstraints": spread} if (spread := topology_spread(name, "load-balancer", spec)) else {}),
                     "terminationGracePeriodSeconds": lb.read_timeout_seconds + 10,
                     "volumes": [
                         {"name": "config", "configMap": {"name": naming.lb_name(name)}},

@@ -38,6 +38,7 @@ OWNED_KINDS = [
     ("v1", "Service"),
     ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),

@@ -162,6 +162,23 @@ class DrainSpec(_Spec):
     pre_stop_delay_seconds: int = Field(5, ge=0, le=300, description="Sleep before the drain so endpoint removal propagates")
 
 
+class TopologySpreadSpec(_Spec):
+    enabled: bool = True
+    topology_key: str = Field("kubernetes.io/hostname", min_length=1, description="Node label whose values to spread over")
+    max_skew: int = Field(1, ge=1, description="Most pods one topology value may have above another")
+    when_unsatisfiable: Literal["ScheduleAnyway", "DoNotSchedule"] = Field(
+        "ScheduleAnyway", description="ScheduleAnyway: spreading is a preference; DoNotSchedule: a pod waits instead")
+
+
+class AvailabilitySpec(_Spec):
+    """Voluntary disruptions (node drains, cluster upgrades) and spreading, for the engine pods and NGINX's alike."""
+
+    pod_disruption_budget: bool = Field(True, description="A PodDisruptionBudget each for the engine and NGINX")
+    max_unavailable: int = Field(1, ge=0, description="Pods of each that evictions may take down at once")
+    topology_spread: TopologySpreadSpec = Field(default_factory=TopologySpreadSpec,
+                                                description="Spread each component's replicas over nodes")
+
+
 class AlertThresholds(_Spec):
     kv_cache_usage: float = Field(0.95, gt=0, le=1)
     queue_depth: int = Field(16, ge=1, description="Waiting requests per replica")
@@ -198,6 +215,7 @@ class LLMDeploymentSpec(_Spec):
     replicas: int = Field(1, ge=0, le=1000, description="Engine replicas when autoscaling is off")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    availability: AvailabilitySpec = Field(default_factory=AvailabilitySpec)
     load_balancer: LoadBalancerSpec = Field(default_factory=LoadBalancerSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     drain: DrainSpec = Field(default_factory=DrainSpec)

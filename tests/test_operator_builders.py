@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from pagekube.operator import naming
 from pagekube.operator.autoscaling import queue_depth_query
+from pagekube.operator.availability import build_pod_disruption_budget
 from pagekube.operator.cli import render
 from pagekube.operator.crd import crd, crd_yaml
 from pagekube.operator.desired import desired_objects
@@ -263,7 +264,7 @@ def test_scale_to_zero_adds_the_activator_as_nginx_backup_and_its_queue_to_the_q
 
 def test_every_child_is_owned_and_labelled():
     objects = desired_objects("m", "ns", "the-uid", spec_of(monitoring={"serviceMonitor": True, "prometheusRule": True}))
-    assert len(objects) == 8
+    assert len(objects) == 10
     for obj in objects:
         (ref,) = obj["metadata"]["ownerReferences"]
         assert ref["uid"] == "the-uid" and ref["controller"] is True and ref["kind"] == "LLMDeployment"
@@ -357,3 +358,27 @@ def test_render_cli_explains_a_bad_manifest(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 1 and r.stdout == ""
     assert "model.source" in r.stderr and "replicas" in r.stderr and "invalid LLMDeployment spec" in r.stderr
+
+
+def test_disruption_budgets_and_spread_cover_the_engine_and_nginx():
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in desired_objects("m", "ns", "uid", spec_of(replicas=3))}
+    for name in ("m-engine", "m-lb"):
+        pdb = objs[("PodDisruptionBudget", name)]["spec"]
+        pod = objs[("Deployment", name)]["spec"]["template"]
+        # The budget and the spread select exactly this component's pods, as the Deployment's own selector does.
+        assert pdb["selector"] == objs[("Deployment", name)]["spec"]["selector"]
+        assert pdb["maxUnavailable"] == 1 and pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        (spread,) = pod["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+        assert all(pod["metadata"]["labels"][k] == v for k, v in spread["labelSelector"]["matchLabels"].items())
+    strict = spec_of(availability={"maxUnavailable": 0, "topologySpread": {"whenUnsatisfiable": "DoNotSchedule",
+                                                                           "topologyKey": "topology.kubernetes.io/zone"}})
+    engine = build_engine_deployment("m", "ns", strict)["spec"]["template"]["spec"]["topologySpreadConstraints"][0]
+    assert engine["whenUnsatisfiable"] == "DoNotSchedule" and engine["topologyKey"] == "topology.kubernetes.io/zone"
+    assert build_pod_disruption_budget("m", "ns", "engine", strict)["spec"]["maxUnavailable"] == 0
+    off = spec_of(availability={"podDisruptionBudget": False, "topologySpread": {"enabled": False}})
+    kinds = [o["kind"] for o in desired_objects("m", "ns", "uid", off)]
+    assert "PodDisruptionBudget" not in kinds
+    assert "topologySpreadConstraints" not in build_engine_deployment("m", "ns", off)["spec"]["template"]["spec"]
+    no_lb = desired_objects("m", "ns", "uid", spec_of(loadBalancer={"enabled": False}))
+    assert [o["metadata"]["name"] for o in no_lb if o["kind"] == "PodDisruptionBudget"] == ["m-engine"]

@@ -179,6 +179,26 @@ def test_deleting_a_busy_pod_drains_it_and_others_take_new_requests(node, served
     assert_all_finished(run.results(), 8, LONG)
 
 
+def test_a_node_drain_stops_at_the_disruption_budget_and_leaves_an_engine_serving(node, served, stream_runs):
+    """`kubectl drain` evicts one engine pod (maxUnavailable 1); its replacement cannot start on the cordoned node,
+    so the budget refuses the second eviction: the drain times out with one engine still serving."""
+    apply(node, replicas=2)
+    wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r == [True, True], timeout=300,
+             what="two ready engine pods", interval=2)
+    try:
+        drain = node.kubectl("drain", node.name, "--pod-selector=app.kubernetes.io/component=engine",
+                             "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=40s", check=False, timeout=90)
+        assert drain.returncode != 0, drain.stdout
+        assert "disruption budget" in drain.stderr + drain.stdout, drain.stderr
+        wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r.count(True) == 1, timeout=60,
+                 what="one engine pod left serving")
+        assert_all_finished(stream_runs(served, streams=2, max_tokens=MAX_TOKENS).results(), 2)
+    finally:
+        node.kubectl("uncordon", node.name)
+    wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r == [True, True], timeout=300,
+             what="two ready engine pods again", interval=2)
+
+
 def test_deleting_the_load_balancer_pod_mid_stream_loses_no_stream(node, served, stream_runs):
     """The kubelet runs NGINX's preStop (a graceful quit, waited for) before its SIGTERM, nginx's fast shutdown:
     streams already going through the deleted load balancer pod finish; its replacement takes new requests."""

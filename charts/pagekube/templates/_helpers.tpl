@@ -47,6 +47,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [pods]  # read-only, engine pods only (by label): is one waiting for a GPU? (rollout.strategy Auto)
   verbs: [list, watch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
   verbs: [get, list, watch, create, patch, delete]
