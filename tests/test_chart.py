@@ -66,3 +66,16 @@ def test_grafana_dashboard_configmap_is_off_by_default_and_carries_the_sidecar_l
     dashboard = json.loads(cm["data"]["pagekube-engines.json"])
     assert dashboard == json.loads((CHART / "files/grafana-dashboard.json").read_text())
     assert all(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+
+
+@pytest.mark.parametrize("value, complaint", [
+    (["--set", "workers=0"], "workers"),
+    (["--set", "logLevel=verbose"], "logLevel"),
+    (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+    (["--set", "watchNamespaces={Team_A}"], "watchNamespaces"),
+    (["--set", "resyncSecond=60"], "resyncSecond"),  # a misspelt key is refused, not silently ignored
+])
+def test_the_values_schema_refuses_a_bad_value_by_name(value, complaint):
+    r = subprocess.run([helm(), "template", "pk", str(CHART), *value], capture_output=True, text=True)
+    assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr, r.stderr
+    assert complaint in r.stderr, r.stderr
