@@ -193,6 +193,8 @@ def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, 
     ({"model": {"name": "m", "source": "gopher://x"}}, "spec.model.source in body should match"),
     ({"resources": {"gpu": 3}, "engine": {"tensorParallelSize": 2}}, "resources.gpu must be a multiple of engine.tensorParallelSize"),
     ({"engine": {"blockSize": 12}}, 'spec.engine.blockSize: Unsupported value: 12'),
+    ({"engine": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "the names models and dshm are the operator's own"),
+    ({"engine": {"volumeMounts": [{"name": "cache"}]}}, "spec.engine.volumeMounts[0].mountPath: Required value"),
 ])
 def test_invalid_manifests_are_refused_by_the_api_server(control_plane, spec, message):
     doc = yaml.safe_load(manifest("bad", "default"))

@@ -88,6 +88,10 @@ def cpu_threads(cpu: str) -> int:
     return max(1, math.ceil(parse_quantity(cpu)))
 
 
+def _env_from(spec: LLMDeploymentSpec) -> list[dict]:
+    return [s.model_dump(by_alias=True) for s in spec.engine.env_from]
+
+
 def _env(spec: LLMDeploymentSpec) -> list[dict]:
     env = _user_env(spec)
     cpu = spec.resources.cpu
@@ -120,6 +124,8 @@ def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[di
         init = {"name": "model-download", "image": S3_IMAGE, "args": ["s3", "sync", spec.model.source, model_path(spec)]}
         env = [{"name": "HOME", "value": "/tmp"}, *env]  # runs as the pod's non-root user: aws-cli needs a writable home
     # The download writes only to the models volume and its own caches (HOME in the image): root stays writable.
+    if spec.engine.env_from:  # credentials kept in a Secret reach the download too
+        init["envFrom"] = _env_from(spec)
     init.update({"env": env, "volumeMounts": mounts, "securityContext": container_security_context(read_only_root=False)})
     return [volume], [init]
 
@@ -139,8 +145,12 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
     grace = grace_period_seconds(spec)
     volumes, init_containers = _model_volume_and_init(spec)
     mounts = [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}] if volumes else []
-    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})  # NCCL and torch need a real /dev/shm
+    e = spec.engine
+    shm = {"medium": "Memory", **({"sizeLimit": e.shm_size} if e.shm_size else {})}
+    volumes.append({"name": "dshm", "emptyDir": shm})  # NCCL and torch need a real /dev/shm
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    volumes += [v.model_dump(by_alias=True) for v in e.volumes]
+    mounts += [m.model_dump(by_alias=True) for m in e.volume_mounts]
     container = {
         "name": "engine",
         "image": spec.engine.image,
@@ -148,6 +158,7 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
         "args": engine_args(spec),
         "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
         "env": _env(spec),
+        **({"envFrom": _env_from(spec)} if e.env_from else {}),
         "resources": _resources(spec),
         "volumeMounts": mounts,
         # Model load can take many minutes; the startup probe holds the others off until /health is 200.
@@ -159,7 +170,8 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
         # The sleep lets endpoint removal reach every load balancer before SIGTERM starts the drain.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.drain.pre_stop_delay_seconds)]}}},
         # Writable root: the engine compiles and caches kernels (CPU extension, Triton) under its HOME.
-        "securityContext": container_security_context(read_only_root=False),
+        "securityContext": {**container_security_context(read_only_root=False),
+                            **(e.security_context.model_dump(by_alias=True) if e.security_context else {})},
     }
     pod_spec: dict = {
         "containers": [container],
@@ -170,6 +182,10 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
+    if e.service_account_name:  # IRSA, Workload Identity: the cloud identity the download and the engine use
+        pod_spec["serviceAccountName"] = e.service_account_name
+    if e.runtime_class_name:
+        pod_spec["runtimeClassName"] = e.runtime_class_name
     if spread := topology_spread(name, "engine", spec):
         pod_spec["topologySpreadConstraints"] = spread
     if spec.node_selector:
@@ -188,8 +204,9 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
         "strategy": deployment_strategy(spec, replicas, gpu_starved),
         "template": {
             "metadata": {
-                "labels": naming.labels(name, "engine"),
+                "labels": {**e.pod_labels, **naming.labels(name, "engine")},  # the selector's labels stay ours
                 "annotations": {
+                    **e.pod_annotations,
                     "prometheus.io/scrape": "true",
                     "prometheus.io/port": str(naming.ENGINE_PORT),
                     "prometheus.io/path": "/metrics",

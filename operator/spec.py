@@ -29,6 +29,7 @@ QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 SIZE = r"^[0-9]+[kKmMgG]?$"  # nginx size syntax (client_max_body_size)
 SOURCE = r"^(hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|file:///\S*)$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+RESERVED_VOLUMES = ("models", "dshm")  # the engine pod's own volumes
 
 
 class _Spec(BaseModel):
@@ -45,6 +46,23 @@ class EnvVar(_Passthrough):
 
 
 class Toleration(_Passthrough):
+    pass
+
+
+class Volume(_Passthrough):
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL)
+
+
+class VolumeMount(_Passthrough):
+    name: str = Field(min_length=1)
+    mount_path: str = Field(alias="mountPath", min_length=1)
+
+
+class EnvFromSource(_Passthrough):
+    pass
+
+
+class SecurityContext(_Passthrough):
     pass
 
 
@@ -69,6 +87,9 @@ class ModelSpec(_Spec):
 
 
 class EngineSpec(_Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['models', 'dshm']))",
+        "message": "engine.volumes: the names models and dshm are the operator's own volumes"}]})
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over (--tensor-parallel-size)")
     # Defaults and ranges are the engine's own (engine_flags.json); block sizes are those every backend runs.
@@ -82,6 +103,26 @@ class EngineSpec(_Spec):
     enable_prefix_caching: bool = flags.default("enable_prefix_caching")
     extra_args: list[str] = Field(default_factory=list, description="Appended to the `pagekube serve` command line")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables (Kubernetes EnvVar)")
+    env_from: list[EnvFromSource] = Field(default_factory=list, description="ConfigMaps/Secrets as environment (envFrom)")
+    # The engine pods, as platform teams adjust them (IRSA / Workload Identity, gVisor or Kata, sidecar injection).
+    pod_labels: dict[str, str] = Field(default_factory=dict, description="Added to the engine pods (ours win on clash)")
+    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Added to the engine pods")
+    service_account_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    runtime_class_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    volumes: list[Volume] = Field(default_factory=list, max_length=64, description="Extra pod volumes (not models, dshm)")
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64,
+                                             description="Extra mounts in the engine container")
+    shm_size: str | None = Field(None, pattern=QUANTITY, description="sizeLimit of the memory-backed /dev/shm")
+    security_context: SecurityContext | None = Field(
+        None, description="Merged over the engine container's restricted securityContext (e.g. readOnlyRootFilesystem)")
+
+    @field_validator("volumes")
+    @classmethod
+    def _not_ours(cls, volumes: list[Volume]) -> list[Volume]:
+        taken = [v.name for v in volumes if v.name in RESERVED_VOLUMES]
+        if taken:
+            raise ValueError(f"volume names {sorted(RESERVED_VOLUMES)} are the operator's: rename {taken}")
+        return volumes
 
 
 class ResourcesSpec(_Spec):

@@ -382,3 +382,31 @@ def test_disruption_budgets_and_spread_cover_the_engine_and_nginx():
     assert "topologySpreadConstraints" not in build_engine_deployment("m", "ns", off)["spec"]["template"]["spec"]
     no_lb = desired_objects("m", "ns", "uid", spec_of(loadBalancer={"enabled": False}))
     assert [o["metadata"]["name"] for o in no_lb if o["kind"] == "PodDisruptionBudget"] == ["m-engine"]
+
+
+def test_engine_pod_overrides_reach_the_pod_and_keep_the_operators_own_fields():
+    spec = spec_of(engine={
+        "podLabels": {"team": "search", "app.kubernetes.io/component": "mine"},
+        "podAnnotations": {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"},
+        "serviceAccountName": "llm-reader", "runtimeClassName": "gvisor",
+        "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+        "volumeMounts": [{"name": "certs", "mountPath": "/etc/certs", "readOnly": True}],
+        "envFrom": [{"secretRef": {"name": "hf-token"}}], "shmSize": "8Gi",
+        "securityContext": {"readOnlyRootFilesystem": True}})
+    template = build_engine_deployment("m", "ns", spec)["spec"]["template"]
+    pod, (init,), (engine,) = template["spec"], template["spec"]["initContainers"], template["spec"]["containers"]
+    assert template["metadata"]["labels"]["team"] == "search"
+    assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"  # the selector's labels stay ours
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    assert (pod["serviceAccountName"], pod["runtimeClassName"]) == ("llm-reader", "gvisor")
+    assert {"name": "certs", "secret": {"secretName": "ca"}} in pod["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
+    assert {"name": "certs", "mountPath": "/etc/certs", "readOnly": True} in engine["volumeMounts"]
+    assert engine["envFrom"] == init["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert engine["securityContext"]["readOnlyRootFilesystem"] is True
+    assert engine["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # merged over the restricted defaults
+    plain = build_engine_deployment("m", "ns", spec_of())["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in plain and "envFrom" not in plain["containers"][0]
+    with pytest.raises(ValueError, match="the operator's"):
+        spec_of(engine={"volumes": [{"name": "models", "emptyDir": {}}]})
