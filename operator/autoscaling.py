@@ -64,7 +64,7 @@ def build_scaled_object(name: str, namespace: str, spec: LLMDeploymentSpec) -> d
                 "threshold": str(a.kv_cache_usage_target),
             },
         })
-    return {
+    scaled_object = {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
         "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
@@ -88,3 +88,6 @@ def build_scaled_object(name: str, namespace: str, spec: LLMDeploymentSpec) -> d
             "triggers": triggers,
         },
     }
+    if a.fallback is not None:
+        scaled_object["spec"]["fallback"] = a.fallback.model_dump(by_alias=True)
+    return scaled_object

@@ -59,4 +59,6 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
                                              spec.autoscaling.scales_to_zero))
     for obj in objects:
         obj["metadata"]["ownerReferences"] = [owner_reference(name, uid)]
+        if obj["kind"] in ("ServiceMonitor", "PrometheusRule"):  # what the Prometheus' selectors look for
+            obj["metadata"]["labels"] = {**spec.monitoring.labels, **obj["metadata"]["labels"]}
     return objects

@@ -151,6 +151,15 @@ class ActivatorSpec(_Spec):
     image: str = Field(DEFAULT_OPERATOR_IMAGE, min_length=1, description="Image with `pagekube-operator activator`")
 
 
+class FallbackSpec(_Spec):
+    """KEDA's fallback: when the queue-depth query fails `failureThreshold` times in a row (Prometheus down), hold
+    `replicas` engines instead of scaling on no data (`behavior` as KEDA defines it)."""
+
+    failure_threshold: int = Field(3, ge=1, description="Failed metric reads in a row before the fallback applies")
+    replicas: int = Field(ge=0, description="Engine replicas while the metric cannot be read")
+    behavior: Literal["static", "currentReplicas", "currentReplicasIfHigher", "currentReplicasIfLower"] = "static"
+
+
 class AutoscalingSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
@@ -170,6 +179,7 @@ class AutoscalingSpec(_Spec):
     cooldown_period: int = Field(300, ge=0, description="Seconds of no load before scaling to zero")
     scale_down_stabilization_seconds: int = Field(300, ge=0, description="HPA scale-down stabilization window")
     activator: ActivatorSpec = Field(default_factory=ActivatorSpec)
+    fallback: FallbackSpec | None = Field(None, description="Replicas to hold while the metric cannot be read")
 
     @property
     def scales_to_zero(self) -> bool:
@@ -231,6 +241,8 @@ class AlertThresholds(_Spec):
 class MonitoringSpec(_Spec):
     service_monitor: bool = False
     prometheus_rule: bool = False
+    labels: dict[str, str] = Field(default_factory=dict, description="Added to the ServiceMonitors and PrometheusRule "
+                                   "(kube-prometheus-stack selects them by its release label, e.g. release: kps)")
     thresholds: AlertThresholds = Field(default_factory=AlertThresholds)
 
 

@@ -410,3 +410,17 @@ def test_engine_pod_overrides_reach_the_pod_and_keep_the_operators_own_fields():
     assert "serviceAccountName" not in plain and "envFrom" not in plain["containers"][0]
     with pytest.raises(ValueError, match="the operator's"):
         spec_of(engine={"volumes": [{"name": "models", "emptyDir": {}}]})
+
+
+def test_monitoring_labels_and_keda_fallback():
+    spec = spec_of(monitoring={"serviceMonitor": True, "prometheusRule": True, "labels": {"release": "kps"}},
+                   autoscaling={"enabled": True, "minReplicas": 0, "fallback": {"replicas": 2}})
+    objs = desired_objects("m", "ns", "uid", spec)
+    watched = [o for o in objs if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
+    assert len(watched) == 3 and all(o["metadata"]["labels"]["release"] == "kps" for o in watched)
+    assert all(o["metadata"]["labels"][naming.OWNER_LABEL] == "m" for o in watched)
+    scaled = next(o for o in objs if o["kind"] == "ScaledObject")["spec"]
+    assert scaled["fallback"] == {"failureThreshold": 3, "replicas": 2, "behavior": "static"}
+    plain = next(o for o in desired_objects("m", "ns", "uid", spec_of(autoscaling={"enabled": True}))
+                 if o["kind"] == "ScaledObject")
+    assert "fallback" not in plain["spec"]
