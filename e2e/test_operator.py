@@ -20,7 +20,7 @@ from pagekube.operator.reconciler import contains
 from tests.k8s_tools import REPO
 from tests.server_process import json_log_lines
 
-CHILD_KINDS = "deployments,services,configmaps,poddisruptionbudgets,scaledobjects,servicemonitors,prometheusrules"
+CHILD_KINDS = "deployments,services,configmaps,poddisruptionbudgets,networkpolicies,scaledobjects,servicemonitors,prometheusrules"
 
 
 def get(cp, *args) -> dict | None:
@@ -176,6 +176,16 @@ def test_spec_updates_reach_children_and_keda_owns_replicas(control_plane, op, n
     apply_manifest(cp, manifest("upd", ns, autoscaling={"enabled": False}, replicas=2))
     wait_for(lambda: get(cp, "scaledobject", "upd-engine", "-n", ns) is None, what="ScaledObject removed")
     wait_for(lambda: engine()["spec"]["replicas"] == 2, what="operator owns replicas again")
+
+
+def test_the_network_policy_follows_its_switch(control_plane, op, namespace):
+    cp, ns = control_plane, namespace
+    apply_manifest(cp, manifest("np", ns, networkPolicy={"enabled": True, "monitoringNamespaces": ["obs"]}))
+    policy = wait_for(lambda: get(cp, "networkpolicy", "np-engine", "-n", ns), what="the NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    assert policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["obs"]
+    apply_manifest(cp, manifest("np", ns, networkPolicy={"enabled": False}))
+    wait_for(lambda: get(cp, "networkpolicy", "np-engine", "-n", ns) is None, what="the NetworkPolicy removed")
 
 
 def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, op, namespace):

@@ -11,6 +11,7 @@ from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.availability import build_pod_disruption_budget
 from pagekube.operator.engine_deployment import build_engine_deployment
 from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
+from pagekube.operator.network_policy import build_engine_network_policy
 from pagekube.operator.nginx import build_nginx_configmap, build_nginx_deployment, build_nginx_service
 from pagekube.operator.services import build_engine_service, build_headless_service
 from pagekube.operator.spec import GROUP, KIND, VERSION, LLMDeploymentSpec
@@ -46,6 +47,8 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
         objects.append(build_pod_disruption_budget(name, namespace, "engine", spec))
         if spec.load_balancer.enabled:
             objects.append(build_pod_disruption_budget(name, namespace, "load-balancer", spec))
+    if spec.network_policy.enabled:
+        objects.append(build_engine_network_policy(name, namespace, spec))
     if spec.autoscaling.enabled:
         objects.append(build_scaled_object(name, namespace, spec))
     if spec.autoscaling.scales_to_zero:

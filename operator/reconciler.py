@@ -39,6 +39,7 @@ OWNED_KINDS = [
     ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),

@@ -230,6 +230,11 @@ class AvailabilitySpec(_Spec):
                                                 description="Spread each component's replicas over nodes")
 
 
+class NetworkPolicySpec(_Spec):
+    enabled: bool = Field(False, description="Engines take traffic only from their NGINX, activator and the monitoring namespaces")
+    monitoring_namespaces: list[str] = Field(["monitoring"], min_length=1, description="Where Prometheus scrapes from")
+
+
 class AlertThresholds(_Spec):
     kv_cache_usage: float = Field(0.95, gt=0, le=1)
     queue_depth: int = Field(16, ge=1, description="Waiting requests per replica")
@@ -269,6 +274,7 @@ class LLMDeploymentSpec(_Spec):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     availability: AvailabilitySpec = Field(default_factory=AvailabilitySpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     load_balancer: LoadBalancerSpec = Field(default_factory=LoadBalancerSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
     drain: DrainSpec = Field(default_factory=DrainSpec)

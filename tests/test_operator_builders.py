@@ -424,3 +424,29 @@ def test_monitoring_labels_and_keda_fallback():
     plain = next(o for o in desired_objects("m", "ns", "uid", spec_of(autoscaling={"enabled": True}))
                  if o["kind"] == "ScaledObject")
     assert "fallback" not in plain["spec"]
+
+
+def test_the_engine_network_policy_admits_only_the_request_path_and_the_scrapers():
+    assert "NetworkPolicy" not in [o["kind"] for o in desired_objects("m", "ns", "uid", spec_of())]  # off by default
+    objs = desired_objects("m", "ns", "uid", spec_of(networkPolicy={"enabled": True}))
+    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    del policy["metadata"]["ownerReferences"]
+    kubernetes_validate.validate(policy, "1.35.0", strict=True)
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in objs if o["kind"] == "Deployment"}
+
+    def admitted(labels: dict, namespace: str = "ns") -> bool:
+        """NetworkPolicy semantics for one peer: a podSelector peer means this namespace, a namespaceSelector
+        peer any pod there."""
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule["from"]:
+                if "podSelector" in peer and namespace == "ns" and all(
+                        labels.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items()):
+                    return True
+                if "namespaceSelector" in peer and namespace in peer["namespaceSelector"]["matchExpressions"][0]["values"]:
+                    return True
+        return False
+
+    assert all(labels[k] == v for k, v in policy["spec"]["podSelector"]["matchLabels"].items()
+               for labels in [pods["m-engine"]])
+    assert admitted(pods["m-lb"]) and admitted({}, "monitoring")
+    assert not admitted(pods["m-engine"]) and not admitted({"app": "other"}) and not admitted(pods["m-lb"], "other")
