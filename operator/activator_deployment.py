@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagekube.operator import naming
 from pagekube.operator.nginx import cluster_upstreams
+from pagekube.operator.placement import request_path_placement
 from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.services import cluster_ip_service
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -47,6 +48,7 @@ def build_activator_deployment(name: str, namespace: str, spec: LLMDeploymentSpe
                     }],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],
                     "securityContext": pod_security_context(ACTIVATOR_UID),
+                    **request_path_placement(spec),
                     # Held requests wait for an engine; a restart would drop them, so let them finish first.
                     "terminationGracePeriodSeconds": a.hold_timeout_seconds + 10,
                     "enableServiceLinks": False,

@@ -8,6 +8,7 @@ from kubernetes.utils import parse_quantity
 
 from pagekube.operator import engine_flags, naming
 from pagekube.operator.availability import topology_spread
+from pagekube.operator.placement import engine_placement
 from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.rollout import deployment_strategy
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -188,16 +189,7 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
         pod_spec["runtimeClassName"] = e.runtime_class_name
     if spread := topology_spread(name, "engine", spec):
         pod_spec["topologySpreadConstraints"] = spread
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    if spec.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.tolerations]
-    if spec.affinity:
-        pod_spec["affinity"] = spec.affinity
-    if spec.priority_class_name:
-        pod_spec["priorityClassName"] = spec.priority_class_name
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    pod_spec.update(engine_placement(spec))
 
     deployment_spec: dict = {
         "selector": {"matchLabels": naming.selector(name, "engine")},

@@ -13,6 +13,7 @@ import ipaddress
 
 from pagekube.operator import naming
 from pagekube.operator.availability import topology_spread
+from pagekube.operator.placement import request_path_placement
 from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.services import cluster_ip_service
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -183,6 +184,7 @@ def build_nginx_deployment(name: str, namespace: str, spec: LLMDeploymentSpec) -
                         }
                     ],
                     "securityContext": pod_security_context(NGINX_UID),
+                    **request_path_placement(spec),
                     **({"topologySpreadConstraints": spread} if (spread := topology_spread(name, "load-balancer", spec)) else {}),
                     "terminationGracePeriodSeconds": lb.read_timeout_seconds + 10,
                     "volumes": [

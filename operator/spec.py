@@ -192,6 +192,10 @@ class LoadBalancerSpec(_Spec):
     image: str = Field(DEFAULT_NGINX_IMAGE, min_length=1)
     read_timeout_seconds: int = Field(600, ge=1, le=86400, description="Longest wait for the next byte of a response")
     max_body_size: str = Field("10m", pattern=SIZE, description="Largest request body (nginx size: 10m, 512k)")
+    # The request path's placement (NGINX and the activator); the top-level fields place the engines.
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = Field(None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
 
 
 class RolloutSpec(_Spec):

@@ -450,3 +450,21 @@ def test_the_engine_network_policy_admits_only_the_request_path_and_the_scrapers
                for labels in [pods["m-engine"]])
     assert admitted(pods["m-lb"]) and admitted({}, "monitoring")
     assert not admitted(pods["m-engine"]) and not admitted({"app": "other"}) and not admitted(pods["m-lb"], "other")
+
+
+def test_the_engines_and_the_request_path_are_placed_by_their_own_fields():
+    spec = spec_of(nodeSelector={"gpu": "a100"}, tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                   priorityClassName="serving", imagePullSecrets=[{"name": "registry"}],
+                   autoscaling={"enabled": True, "minReplicas": 0},
+                   loadBalancer={"nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "edge", "operator": "Exists"}],
+                                 "affinity": {"nodeAffinity": {}}})
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"]
+            for o in desired_objects("m", "ns", "uid", spec) if o["kind"] == "Deployment"}
+    assert pods["m-engine"]["nodeSelector"] == {"gpu": "a100"} and "affinity" not in pods["m-engine"]
+    assert pods["m-engine"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    for request_path in ("m-lb", "m-activator"):
+        pod = pods[request_path]
+        assert pod["nodeSelector"] == {"pool": "cpu"} and pod["affinity"] == {"nodeAffinity": {}}
+        assert pod["tolerations"] == [{"key": "edge", "operator": "Exists"}]
+    for pod in pods.values():
+        assert pod["priorityClassName"] == "serving" and pod["imagePullSecrets"] == [{"name": "registry"}]
