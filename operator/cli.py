@@ -57,13 +57,16 @@ def _run(args) -> int:
     os.environ["PAGEKUBE_WORKERS"] = str(args.workers)
     os.environ["PAGEKUBE_NAMESPACES"] = ",".join(args.namespace or [])
     os.environ["PAGEKUBE_METRICS_BIND_ADDRESS"] = args.metrics_bind_address
+    os.environ["PAGEKUBE_LEADER_ELECT"] = "1" if args.leader_elect else "0"
+    os.environ["PAGEKUBE_LEADER_ELECTION_ID"] = args.leader_election_id
+    os.environ["PAGEKUBE_LEADER_ELECTION_NAMESPACE"] = args.leader_election_namespace
     import kopf
 
     from pagekube.operator import handlers  # noqa: F401  (registers the handlers)
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL)
     kopf.run(
-        standalone=True,  # one replica (Recreate); no peering objects needed
+        standalone=True,  # kopf only runs the process; replicas coordinate by --leader-elect (a Lease), not peering
         clusterwide=not args.namespace,
         namespaces=args.namespace or [],
         liveness_endpoint=args.liveness,
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--workers", type=int, default=4, help="reconcile passes that may run at once")
     run.add_argument("--metrics-bind-address", default="0.0.0.0:8383",
                      help="where /metrics (controller-runtime's names) listens; empty: off")
+    run.add_argument("--leader-elect", action="store_true",
+                     help="run several replicas, one active: leader election on a coordination.k8s.io Lease")
+    run.add_argument("--leader-election-id", default="pagekube-operator", help="the Lease's name")
+    run.add_argument("--leader-election-namespace", default="",
+                     help="the Lease's namespace (default: the pod's own)")
     run.add_argument("--log-format", choices=["json", "text"], default="json")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(fn=_run)

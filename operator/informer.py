@@ -67,8 +67,8 @@ class Informer:
     def stop(self) -> None:
         self._stop.set()
         response = self._response
-        if response is not None:
-            response.close()
+        if response is not None:  # closing a stream another thread is reading can block: never make stop() wait
+            threading.Thread(target=response.close, name=f"close-{self.kind}", daemon=True).start()
 
     def _run(self) -> None:
         backoff = 1.0

@@ -40,7 +40,8 @@ def test_helm_template_renders_valid_least_privilege_objects(values):
     assert secrets and all(r["verbs"] == ["get"] for r in secrets)  # reads the API-key Secret's existence, nothing more
     args = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     if values:
-        assert [d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"] == ["team-a", "team-b"]
+        assert [d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"
+                and not d["metadata"]["name"].endswith("-leader-election")] == ["team-a", "team-b"]
         assert "--namespace=team-a" in args and "--verbose" in args
         alerts = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["pagekube-alerts.yaml"]
         assert yaml.safe_load(alerts) == yaml.safe_load(generic_rules_file())
@@ -79,3 +80,23 @@ def test_the_values_schema_refuses_a_bad_value_by_name(value, complaint):
     r = subprocess.run([helm(), "template", "pk", str(CHART), *value], capture_output=True, text=True)
     assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr, r.stderr
     assert complaint in r.stderr, r.stderr
+
+
+def test_two_operator_replicas_elect_a_leader_with_a_lease_role_in_the_release_namespace():
+    def render(*values):
+        out = subprocess.run([helm(), "template", "pk", str(CHART), "--namespace", "pagekube-system", *values],
+                             check=True, capture_output=True, text=True).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+    docs = render()
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert deployment["spec"]["replicas"] == 2 and "--leader-elect" in container["args"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == "pagekube-system"
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]
+    single = next(d for d in render("--set", "replicas=1") if d["kind"] == "Deployment")
+    assert "--leader-elect" not in single["spec"]["template"]["spec"]["containers"][0]["args"]
