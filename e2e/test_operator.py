@@ -20,7 +20,7 @@ from pagekube.operator.reconciler import contains
 from tests.k8s_tools import REPO
 from tests.server_process import json_log_lines
 
-CHILD_KINDS = "deployments,services,configmaps,poddisruptionbudgets,networkpolicies,scaledobjects,servicemonitors,prometheusrules"
+CHILD_KINDS = "persistentvolumeclaims,deployments,services,configmaps,poddisruptionbudgets,networkpolicies,scaledobjects,servicemonitors,prometheusrules"
 
 
 def get(cp, *args) -> dict | None:
@@ -186,6 +186,17 @@ def test_the_network_policy_follows_its_switch(control_plane, op, namespace):
     assert policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchExpressions"][0]["values"] == ["obs"]
     apply_manifest(cp, manifest("np", ns, networkPolicy={"enabled": False}))
     wait_for(lambda: get(cp, "networkpolicy", "np-engine", "-n", ns) is None, what="the NetworkPolicy removed")
+
+
+def test_the_model_cache_claim_is_created_and_mounted(control_plane, op, namespace):
+    cp, ns = control_plane, namespace
+    apply_manifest(cp, manifest("cached", ns, model={"name": "cached", "source": "hf://org/model", "sizeHint": "2Gi",
+                                                     "cache": {"enabled": True, "accessMode": "ReadWriteOnce"}}))
+    claim = wait_for(lambda: get(cp, "pvc", "cached-model-cache", "-n", ns), what="the model cache claim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    assert claim["metadata"]["ownerReferences"][0]["name"] == "cached"
+    pod = wait_for(lambda: get(cp, "deployment", "cached-engine", "-n", ns), what="the engine")["spec"]["template"]["spec"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "cached-model-cache"}} in pod["volumes"]
 
 
 def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, op, namespace):

@@ -9,7 +9,11 @@ from pagekube.operator.activator_deployment import (
 )
 from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.availability import build_pod_disruption_budget
-from pagekube.operator.engine_deployment import build_engine_deployment
+from pagekube.operator.engine_deployment import (
+    build_engine_deployment,
+    build_model_cache_claim,
+    uses_model_cache,
+)
 from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
 from pagekube.operator.network_policy import build_engine_network_policy
 from pagekube.operator.nginx import build_nginx_configmap, build_nginx_deployment, build_nginx_service
@@ -32,7 +36,8 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
                     gpu_starved: bool = False) -> list[dict]:
     """The children in apply order (config before the pods that read it). `replicas` and `gpu_starved`: what runs
     now, for the engine's rollout strategy (offline rendering leaves them unknown)."""
-    objects = [
+    objects = [build_model_cache_claim(name, namespace, spec)] if uses_model_cache(spec) else []
+    objects += [
         build_engine_service(name, namespace),
         build_headless_service(name, namespace),
         build_engine_deployment(name, namespace, spec, replicas, gpu_starved),

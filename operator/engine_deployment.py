@@ -42,7 +42,23 @@ def model_path(spec: LLMDeploymentSpec) -> str:
     if scheme == "pvc":
         _claim, _, sub = rest.partition("/")
         return f"{MODELS_DIR}/{sub}".rstrip("/")
+    if scheme == "hf" and spec.model.cache.enabled:  # one folder per revision: a new one never overwrites files
+        return f"{MODELS_DIR}/{spec.model.revision or 'main'}"  # that running replicas have mapped
     return f"{MODELS_DIR}/model"
+
+
+def uses_model_cache(spec: LLMDeploymentSpec) -> bool:
+    return spec.model.cache.enabled and model_source(spec)[0] in ("hf", "s3")
+
+
+def build_model_cache_claim(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
+    """The PersistentVolumeClaim the downloads fill once (owned: deleting the LLMDeployment deletes it)."""
+    cache = spec.model.cache
+    claim = {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": cache.size or spec.model.size_hint}}}
+    if cache.storage_class_name:
+        claim["storageClassName"] = cache.storage_class_name
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": naming.metadata(naming.model_cache_name(name), namespace, name, "engine"), "spec": claim}
 
 
 def engine_args(spec: LLMDeploymentSpec) -> list[str]:
@@ -75,7 +91,11 @@ def _resources(spec: LLMDeploymentSpec) -> dict:
         amounts["cpu"] = r.cpu
     if r.memory:
         amounts["memory"] = r.memory
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    out = {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    if spec.model.size_hint and model_source(spec)[0] in ("hf", "s3") and not uses_model_cache(spec):
+        # The downloaded weights live in an emptyDir: schedule the pod where its node's disk can hold them.
+        out.setdefault("requests", {})["ephemeral-storage"] = spec.model.size_hint
+    return out
 
 
 def _user_env(spec: LLMDeploymentSpec) -> list[dict]:
@@ -104,7 +124,7 @@ def _env(spec: LLMDeploymentSpec) -> list[dict]:
     return env
 
 
-def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[dict]]:
+def _model_volume_and_init(name: str, spec: LLMDeploymentSpec) -> tuple[list[dict], list[dict]]:
     """(volumes, init containers) that put the weights at model_path()."""
     scheme, rest = model_source(spec)
     if scheme == "file":
@@ -112,7 +132,10 @@ def _model_volume_and_init(spec: LLMDeploymentSpec) -> tuple[list[dict], list[di
     if scheme == "pvc":
         claim = rest.partition("/")[0]
         return [{"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}], []
-    volume = {"name": "models", "emptyDir": {}}
+    if uses_model_cache(spec):
+        volume = {"name": "models", "persistentVolumeClaim": {"claimName": naming.model_cache_name(name)}}
+    else:  # the pod's own copy, counted against its ephemeral storage
+        volume = {"name": "models", "emptyDir": {"sizeLimit": spec.model.size_hint} if spec.model.size_hint else {}}
     mounts = [{"name": "models", "mountPath": MODELS_DIR}]
     env = _user_env(spec)
     if scheme == "hf":
@@ -144,7 +167,7 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
                             gpu_starved: bool = False) -> dict:
     """`replicas` and `gpu_starved` are what the operator sees live (rollout.deployment_strategy's inputs)."""
     grace = grace_period_seconds(spec)
-    volumes, init_containers = _model_volume_and_init(spec)
+    volumes, init_containers = _model_volume_and_init(name, spec)
     mounts = [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}] if volumes else []
     e = spec.engine
     shm = {"medium": "Memory", **({"sizeLimit": e.shm_size} if e.shm_size else {})}

@@ -28,6 +28,10 @@ def activator_upstream(name: str, namespace: str) -> str:
     return f"{activator_name(name)}.{namespace}.svc.cluster.local:{ACTIVATOR_PORT}"
 
 
+def model_cache_name(name: str) -> str:
+    return f"{name}-model-cache"
+
+
 def lb_name(name: str) -> str:
     return f"{name}-lb"
 

@@ -35,6 +35,7 @@ log = logging.getLogger("pagekube.operator")
 
 # Kinds the operator may own; children of these kinds it no longer wants are deleted.
 OWNED_KINDS = [
+    ("v1", "PersistentVolumeClaim"),
     ("v1", "Service"),
     ("v1", "ConfigMap"),
     ("apps/v1", "Deployment"),

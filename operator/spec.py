@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kubernetes.utils import parse_quantity
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from pagekube.operator import engine_flags as flags
@@ -75,7 +75,22 @@ class SecretKeyRef(_Spec):
     key: str = Field("api-key", min_length=1, description="Key in the Secret holding the API key")
 
 
+class ModelCacheSpec(_Spec):
+    """A PersistentVolumeClaim the operator creates for hf:// and s3:// sources: the first pod's download fills it,
+    every later pod (ReadWriteMany) finds the files there and skips them."""
+
+    enabled: bool = False
+    size: str | None = Field(None, pattern=QUANTITY, description="The claim's size (default: model.sizeHint)")
+    storage_class_name: str | None = Field(None, description="Default: the cluster's default StorageClass")
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        "ReadWriteMany", description="ReadWriteMany: every replica on any node shares it; ReadWriteOnce: one node")
+
+
 class ModelSpec(_Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!has(self.cache) || !self.cache.enabled || has(self.cache.size) || has(self.sizeHint)",
+        "message": "model.cache needs a size (model.cache.size or model.sizeHint)"}]})
+
     name: str = Field(min_length=1, max_length=256, description="Model name the API serves (the OpenAI `model` field)")
     source: str = Field(
         pattern=SOURCE, description="Where the weights are: hf://org/repo, pvc://claim/path, s3://bucket/prefix or file:///path"
@@ -84,6 +99,15 @@ class ModelSpec(_Spec):
     dtype: Literal[tuple(flags.choices("dtype"))] = flags.default("dtype")
     max_model_len: int | None = Field(None, ge=flags.bound("max_model_len", "minimum"),
                                       description="Longest prompt + output in tokens (default: the model's)")
+    size_hint: str | None = Field(None, pattern=QUANTITY, description="Disk the downloaded weights take, e.g. 20Gi: "
+                                  "the download volume's sizeLimit and ephemeral-storage request, the cache's size")
+    cache: ModelCacheSpec = Field(default_factory=ModelCacheSpec)
+
+    @model_validator(mode="after")
+    def _cache_has_a_size(self) -> ModelSpec:
+        if self.cache.enabled and not (self.cache.size or self.size_hint):
+            raise ValueError("model.cache needs a size (model.cache.size or model.sizeHint)")
+        return self
 
 
 class EngineSpec(_Spec):

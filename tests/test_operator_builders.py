@@ -468,3 +468,28 @@ def test_the_engines_and_the_request_path_are_placed_by_their_own_fields():
         assert pod["tolerations"] == [{"key": "edge", "operator": "Exists"}]
     for pod in pods.values():
         assert pod["priorityClassName"] == "serving" and pod["imagePullSecrets"] == [{"name": "registry"}]
+
+
+def test_model_cache_claim_is_filled_once_and_mounted_by_every_replica():
+    spec = spec_of(model={"name": "m", "source": "hf://org/repo", "revision": "v2", "sizeHint": "20Gi",
+                          "cache": {"enabled": True, "storageClassName": "nfs"}})
+    objs = desired_objects("m", "ns", "uid", spec)
+    assert objs[0]["kind"] == "PersistentVolumeClaim"  # applied before the pods that mount it
+    claim = objs[0]
+    assert claim["metadata"]["name"] == "m-model-cache" and claim["spec"] == {
+        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}, "storageClassName": "nfs"}
+    pod = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "m-engine")["spec"]["template"]["spec"]
+    models = next(v for v in pod["volumes"] if v["name"] == "models")
+    assert models == {"name": "models", "persistentVolumeClaim": {"claimName": "m-model-cache"}}
+    (init,), (engine,) = pod["initContainers"], pod["containers"]
+    assert init["command"][-3:] == ["org/repo", "v2", "/models/v2"]  # a revision's own folder: never overwritten
+    assert engine["args"][0] == "/models/v2" and {"name": "models", "mountPath": "/models", "readOnly": True} in engine["volumeMounts"]
+    assert "ephemeral-storage" not in engine["resources"].get("requests", {})  # the claim holds the weights
+
+    plain = build_engine_deployment("m", "ns", spec_of(model={"name": "m", "source": "s3://b/p", "sizeHint": "20Gi"}))
+    pod = plain["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "models") == {"name": "models", "emptyDir": {"sizeLimit": "20Gi"}}
+    assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "20Gi"
+    assert "PersistentVolumeClaim" not in [o["kind"] for o in desired_objects("m", "ns", "uid", spec_of())]
+    with pytest.raises(ValueError, match="needs a size"):
+        spec_of(model={"name": "m", "source": "hf://org/repo", "cache": {"enabled": True}})

@@ -39,7 +39,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
-  resources: [services, configmaps]
+  resources: [services, configmaps, persistentvolumeclaims]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [secrets]
