@@ -140,6 +140,9 @@ class LLMEngine:
                              "share the target's tokenizer")
         return draft_dir, draft_config
 
+    def kernel_report(self) -> dict[str, str]:
+        return self.runner.kernel_report()
+
     def cache_config(self) -> dict:
         """The KV-cache settings, as vLLM's `vllm:cache_config_info` labels them."""
         c = self.config

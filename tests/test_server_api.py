@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pagekube.kernels.cpu_ops import cpu_supports_bf16_dot
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -66,8 +68,17 @@ def test_tokenize_detokenize_version_ping(server, tokenizer):
     assert t["tokens"] == tokenizer.encode("Hello world") and t["count"] == len(t["tokens"])
     d = httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()
     assert d["prompt"] == "Hello world"
-    assert httpx.get(server.url + "/version").json()["version"]
+    version = httpx.get(server.url + "/version").json()
+    assert version["version"]
     assert httpx.get(server.url + "/ping").status_code == 200
+    # Which kernels run, on /version and as an info metric with the same labels.
+    kernels = version["kernels"]
+    assert kernels["device"] == "cpu" and kernels["attention"] == "torch"
+    if cpu_supports_bf16_dot():  # the default dtype here is bf16, where the compiled CPU kernels run
+        assert kernels["dtype"] == "bfloat16" and "linear" in kernels["cpu_kernels"].split(","), kernels
+    info = [line for line in httpx.get(server.url + "/metrics").text.splitlines() if line.startswith("pagekube:kernels_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1.0"), info
+    assert all(f'{k}="{v}"' in info[0] for k, v in kernels.items()), info
 
 
 def test_echo_and_multiple_prompts(client):

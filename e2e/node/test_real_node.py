@@ -17,6 +17,7 @@ import pytest
 from e2e.node.conftest import ENGINE_IMAGE, NGINX_IMAGE, RESTRICTED
 from e2e.node.node import in_netns
 from e2e.waiting import wait_for
+from pagekube.kernels.cpu_ops import cpu_supports_bf16_dot
 
 NAME = "cpu"
 MAX_TOKENS = 48
@@ -114,6 +115,11 @@ def test_apply_serves_a_chat_completion_through_nginx_and_kube_proxy(node, serve
     assert engine["image"] == ENGINE_IMAGE and engine["command"] == ["pagekube", "serve"]
     # Ready came from the real probes: the kubelet's startup/readiness checks on /health
     assert pods[0]["status"]["containerStatuses"][0]["started"] is True
+    # The image's compiled CPU kernels run in the pod (built into the image, not skipped for want of a compiler).
+    version = json.loads(subprocess.run(in_netns("curl", "-s", f"http://{pods[0]['status']['podIP']}:8000/version"),
+                                        capture_output=True, text=True, timeout=10).stdout)
+    if cpu_supports_bf16_dot():
+        assert version["kernels"]["dtype"] == "bfloat16" and "linear" in version["kernels"]["cpu_kernels"], version
     printed = node.kubectl("get", "llmd", NAME).stdout
     assert "http://cpu-lb.default.svc.cluster.local/v1" in printed, printed
     run = stream_runs(served, streams=2, max_tokens=MAX_TOKENS)

@@ -88,6 +88,11 @@ class ModelRunner:
             num_blocks = int(agreed)
         self.allocate_kv_pool(num_blocks)
 
+    def kernel_report(self) -> dict[str, str]:
+        """Which kernels this model runs (logged at start, on /version and as pagekube:kernels_info)."""
+        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
+                "attention": self.backend.name, "cpu_kernels": ",".join(self.kernels.names) or "none"}
+
     def allocate_kv_pool(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         shape = (num_blocks, *self.kv_shape)

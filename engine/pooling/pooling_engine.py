@@ -55,6 +55,11 @@ class PoolingEngine:
                   "normalize": self.pooler.normalize, "max_model_len": self.max_model_len, "device": str(self.device),
                   "dtype": str(self.dtype).removeprefix("torch.")})
 
+    def kernel_report(self) -> dict[str, str]:
+        """As ModelRunner.kernel_report: attention is torch's SDPA over packed sequences; no CPU extension."""
+        return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."), "attention": "sdpa",
+                "cpu_kernels": "none"}
+
     def _load_model(self):
         if self.hf_config.model_type in ENCODER_MODEL_TYPES:
             from pagekube.engine.pooling.bert import load_bert

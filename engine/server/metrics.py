@@ -56,6 +56,9 @@ class EngineMetrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1")
         self.draining = gauge("pagekube:draining", "1 while the server drains after SIGTERM")
+        self._kernels = Gauge("pagekube:kernels_info", "1, labelled with the kernels the model runs",
+                              [*label, "device", "dtype", "attention", "cpu_kernels"], registry=r)
+        self._label_values = values
         self.fragmentation = gauge("pagekube:kv_cache_fragmentation_ratio", "Allocated KV token slots / tokens held")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced")
@@ -97,6 +100,10 @@ class EngineMetrics:
             self._spec_seen = (0, 0, 0, [0] * len(spec_stats.accepted_per_pos))
 
     # ---- StatListener ---------------------------------------------------------------------------------------
+    def kernels_info(self, report: dict[str, str]) -> None:
+        self._kernels.labels(*self._label_values, report["device"], report["dtype"], report["attention"],
+                             report["cpu_kernels"]).set(1)
+
     def on_iteration(self, engine, num_tokens: int, num_generated: int, num_preemptions: int) -> None:
         self.iter_tokens.observe(num_tokens)
         self.generation_tokens.inc(num_generated)

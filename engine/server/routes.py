@@ -60,8 +60,9 @@ async def ping(state: ServerState = Depends(server_state)):
 
 
 @router.get("/version")
-async def version():
-    return {"version": pagekube.__version__}
+async def version(state: ServerState = Depends(server_state)):
+    """The version, and (once loaded) which kernels run: device, dtype, attention backend, CPU extension kernels."""
+    return {"version": pagekube.__version__, **({"kernels": state.kernels} if state.kernels else {})}
 
 
 @router.get("/metrics")

@@ -80,10 +80,13 @@ async def _serve(config: EngineConfig) -> int:
                                   cache_config=None if pooling else engine.cache_config(),
                                   spec_stats=None if pooling else engine.spec_stats)
     engine.stat_listeners.append(state.metrics)
+    state.kernels = engine.kernel_report()
+    state.metrics.kernels_info(state.kernels)
     if not config.disable_log_requests:
         engine.stat_listeners.append(RequestLogger(engine.served_model_name, config.enable_log_prompts))
     state.engine = (AsyncPoolingEngine if pooling else AsyncEngine)(engine, engine_thread)
-    log.info("ready: serving %s on http://%s:%d", engine.served_model_name, config.host, config.port)
+    log.info("ready: serving %s on http://%s:%d (kernels: %s)", engine.served_model_name, config.host, config.port,
+             state.kernels)
     watching = asyncio.ensure_future(exit_when_dead(state, server))
     await serving
     watching.cancel()

@@ -19,6 +19,7 @@ class ServerState:
     config: EngineConfig
     engine: AsyncEngine | AsyncPoolingEngine | None = None  # the pooling one serves /v1/embeddings
     metrics: EngineMetrics | None = None
+    kernels: dict[str, str] | None = None  # which kernels the loaded model runs (/version)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
