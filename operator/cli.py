@@ -58,6 +58,7 @@ def _run(args) -> int:
     os.environ["PAGEKUBE_NAMESPACES"] = ",".join(args.namespace or [])
     os.environ["PAGEKUBE_METRICS_BIND_ADDRESS"] = args.metrics_bind_address
     os.environ["PAGEKUBE_LEADER_ELECT"] = "1" if args.leader_elect else "0"
+    os.environ["PAGEKUBE_MANAGE_CRD"] = "1" if args.manage_crd else "0"
     os.environ["PAGEKUBE_LEADER_ELECTION_ID"] = args.leader_election_id
     os.environ["PAGEKUBE_LEADER_ELECTION_NAMESPACE"] = args.leader_election_namespace
     import kopf
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--workers", type=int, default=4, help="reconcile passes that may run at once")
     run.add_argument("--metrics-bind-address", default="0.0.0.0:8383",
                      help="where /metrics (controller-runtime's names) listens; empty: off")
+    run.add_argument("--manage-crd", action="store_true",
+                     help="at start, apply this version's CRD where the installed one is older (Helm never upgrades it)")
     run.add_argument("--leader-elect", action="store_true",
                      help="run several replicas, one active: leader election on a coordination.k8s.io Lease")
     run.add_argument("--leader-election-id", default="pagekube-operator", help="the Lease's name")

@@ -14,6 +14,7 @@ from kubernetes import client, config
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from pagekube.operator.controller import Controller
+from pagekube.operator.crd_upgrade import upgrade_crd
 from pagekube.operator.leader_election import LeaderElector
 
 # `pagekube-operator run` sets these before importing this module.
@@ -22,6 +23,7 @@ WORKERS = int(os.environ.get("PAGEKUBE_WORKERS", "4"))
 NAMESPACES = [n for n in os.environ.get("PAGEKUBE_NAMESPACES", "").split(",") if n]
 METRICS_ADDRESS = os.environ.get("PAGEKUBE_METRICS_BIND_ADDRESS", "0.0.0.0:8383")
 LEADER_ELECT = os.environ.get("PAGEKUBE_LEADER_ELECT") == "1"
+MANAGE_CRD = os.environ.get("PAGEKUBE_MANAGE_CRD") == "1"
 LEADER_ELECTION_ID = os.environ.get("PAGEKUBE_LEADER_ELECTION_ID", "pagekube-operator")
 LEADER_ELECTION_NAMESPACE = os.environ.get("PAGEKUBE_LEADER_ELECTION_NAMESPACE", "")
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -57,6 +59,8 @@ def start(settings: kopf.OperatorSettings, **_):
         host, _, port = METRICS_ADDRESS.rpartition(":")
         start_http_server(int(port), host or "0.0.0.0", registry=registry)
     api = api_client()
+    if MANAGE_CRD:  # before the caches fill: objects are then read (and written) with the current schema
+        upgrade_crd(api)
     _controller = Controller(api, NAMESPACES or None, RESYNC_SECONDS, WORKERS, registry)
     if not LEADER_ELECT:
         _controller.start()

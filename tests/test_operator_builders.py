@@ -3,6 +3,7 @@ prometheus-operator CRDs), the NGINX config through a real `nginx -t`, and the s
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 import sys
@@ -493,3 +494,17 @@ def test_model_cache_claim_is_filled_once_and_mounted_by_every_replica():
     assert "PersistentVolumeClaim" not in [o["kind"] for o in desired_objects("m", "ns", "uid", spec_of())]
     with pytest.raises(ValueError, match="needs a size"):
         spec_of(model={"name": "m", "source": "hf://org/repo", "cache": {"enabled": True}})
+
+
+def test_crd_field_paths_tell_an_older_schema_from_a_newer_one():
+    from pagekube.operator.crd_upgrade import field_paths
+
+    ours = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    paths = field_paths(ours)
+    assert ("spec", "availability", "maxUnavailable") in paths and ("spec", "engine", "volumes", "[]", "name") in paths
+    older = copy.deepcopy(ours)
+    del older["properties"]["spec"]["properties"]["availability"]
+    assert field_paths(older) < paths  # ours covers it: the operator upgrades
+    newer = copy.deepcopy(ours)
+    newer["properties"]["spec"]["properties"]["future"] = {"type": "string"}
+    assert field_paths(newer) - paths == {("spec", "future")}  # a newer one: left as is
