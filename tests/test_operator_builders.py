@@ -138,6 +138,9 @@ def test_nginx_config_streams_and_never_replays():
     main, refused = conf.split("location / {")[1].split("location @refused {")
     assert "non_idempotent" not in main and "error_page 503 = @refused;" in main
     assert "proxy_next_upstream http_503 non_idempotent;" in refused
+    # With the activator as backup its own 503 (no engine woke in time) is the answer: nothing intercepts it.
+    zero = render_nginx_conf(spec_of(), ["10.0.0.1:8000"], backups=["10.0.0.2:8081"])
+    assert "error_page" not in zero and "non_idempotent" not in zero and "10.0.0.2:8081 backup;" in zero
     cluster = render_nginx_conf(spec_of(), ["x-engine-pods.ns.svc.cluster.local:8000"])
     assert "resolve max_fails" in cluster and "resolver kube-dns" in cluster
 
