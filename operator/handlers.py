@@ -11,6 +11,7 @@ from pathlib import Path
 
 import kopf
 from kubernetes import client, config
+from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from pagekube.operator.controller import Controller
@@ -60,7 +61,10 @@ def start(settings: kopf.OperatorSettings, **_):
         start_http_server(int(port), host or "0.0.0.0", registry=registry)
     api = api_client()
     if MANAGE_CRD:  # before the caches fill: objects are then read (and written) with the current schema
-        upgrade_crd(api)
+        try:
+            upgrade_crd(api)
+        except ApiException as e:  # no permission (older RBAC), the API server busy: serve with the CRD as it is
+            log.warning("could not bring the CRD up to date (%s %s); continuing with the installed one", e.status, e.reason)
     _controller = Controller(api, NAMESPACES or None, RESYNC_SECONDS, WORKERS, registry)
     if not LEADER_ELECT:
         _controller.start()
