@@ -12,9 +12,9 @@ from kubernetes import client, dynamic
 from kubernetes.client.rest import ApiException
 
 from pagekube.operator.crd import crd
+from pagekube.operator.reconciler import FIELD_MANAGER
 
 log = logging.getLogger("pagekube.operator")
-FIELD_MANAGER = "pagekube-operator"
 
 
 def field_paths(schema: dict, prefix: tuple = ()) -> set[tuple]:
@@ -43,13 +43,13 @@ def upgrade_crd(api: client.ApiClient) -> str:
             log.warning("CRD %s is not installed (install the chart, or `pagekube-operator crd | kubectl apply -f -`)", name)
             return "missing"
         raise
-    installed_schema = api.sanitize_for_serialization(installed)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    missing = field_paths(installed_schema) - field_paths(_schema(ours))
+    installed_schema, our_schema = _schema(api.sanitize_for_serialization(installed)), _schema(ours)
+    missing = field_paths(installed_schema) - field_paths(our_schema)
     if missing:
         log.warning("CRD %s has fields this operator does not know (%s): a newer version installed it; left as is",
                     name, ", ".join(".".join(p) for p in sorted(missing)[:5]))
         return "newer"
-    if installed_schema == _schema(ours):
+    if installed_schema == our_schema:
         return "current"
     crds = dynamic.DynamicClient(api).resources.get(api_version="apiextensions.k8s.io/v1", kind="CustomResourceDefinition")
     crds.server_side_apply(body=ours, name=name, field_manager=FIELD_MANAGER, force_conflicts=True)

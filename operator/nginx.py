@@ -70,19 +70,6 @@ def render_nginx_conf(spec: LLMDeploymentSpec, upstreams: list[str], resolver: s
     servers = "\n".join([*(server(u, " max_fails=1 fail_timeout=5s") for u in upstreams),
                          *(server(b, " backup") for b in backups)])
     resolver_line = f"    resolver {resolver};\n" if needs_dns else ""
-    # The engine answered 503 (draining, loading, stopped) before starting the request, as a pod whose endpoint
-    # removal has not reached us yet does: pass it on. Should the retry land on a refusing engine too, that 503
-    # counts as its failure (max_fails), so the next try and the next 5 s go elsewhere. Not with the activator as
-    # backup: its own 503 (no engine woke in time) is the answer, and must reach the client as it is.
-    refusals = "" if backups else """
-            proxy_intercept_errors on;  # only codes with an error_page: 503
-            error_page 503 = @refused;
-        }
-
-        location @refused {
-PROXY
-            proxy_next_upstream http_503 non_idempotent;
-            proxy_next_upstream_tries 3;"""
     proxy = f"""            proxy_pass http://engine;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
@@ -94,7 +81,19 @@ PROXY
             proxy_connect_timeout 5s;
             proxy_send_timeout {lb.read_timeout_seconds}s;
             proxy_read_timeout {lb.read_timeout_seconds}s;"""
-    refusals = refusals.replace("PROXY", proxy)
+    # The engine answered 503 (draining, loading, stopped) before starting the request, as a pod whose endpoint
+    # removal has not reached us yet does: pass it on. Should the retry land on a refusing engine too, that 503
+    # counts as its failure (max_fails), so the next try and the next 5 s go elsewhere. Not with the activator as
+    # backup: its own 503 (no engine woke in time) is the answer, and must reach the client as it is.
+    refusals = "" if backups else f"""
+            proxy_intercept_errors on;  # only codes with an error_page: 503
+            error_page 503 = @refused;
+        }}
+
+        location @refused {{
+{proxy}
+            proxy_next_upstream http_503 non_idempotent;
+            proxy_next_upstream_tries 3;"""
     return f"""# Rendered by pagekube-operator. Do not edit: the operator restores it.
 worker_processes auto;
 pid nginx.pid;
