@@ -1,13 +1,16 @@
-"""The bundled model's linears (all 210, as stored) at a few rows: the Q4_1 kernel, the bf16 kernel and torch's
-bf16 GEMM, taking turns in one process; then one decode step of the engine with the Q4_1 blocks on and off,
-alternating every 16 steps. Prints milliseconds per pass over all the linears, and per step.
+"""The bundled model's linears (all 210, as stored) at a few rows: the Q4_1 blocks through the AVX-512 kernel and
+through the AMX one, the bf16 weights through the bf16 kernel, the AMX one and torch's GEMM, taking turns in one
+process; then decode steps of the engine at 1 and 32 sequences with AMX on (every row count through one kernel:
+batch invariance) and off (the Q4_1 AVX-512 kernel up to 8 rows, torch above), alternating every 16 steps. Prints
+milliseconds per pass over all the linears, and per step. Without AMX, its columns and steps are left out.
 
-    .venv/bin/python bench/cpu_linears.py --rows 1 2 4 8 --steps 128
+    .venv/bin/python bench/cpu_linears.py --rows 1 2 4 8 16 32 64 256 1024 --steps 128
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -21,6 +24,7 @@ from pagekube.engine import SamplingParams
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.llm_engine import LLMEngine
 from pagekube.engine.model.layers import gguf_linears
+from pagekube.engine.model.model import use_kernels
 from pagekube.engine.model.model_files import resolve_model_dir
 from pagekube.kernels import cpu_ops
 
@@ -36,34 +40,42 @@ def linears(rows: list[int], reps: int) -> None:
     q4 = [gguf_linears.Q4Weight(*(packed[f"{n}.{p}"] for p in ("qs", "d", "m"))) for n in names]
     bf16 = [state[n].bfloat16() for n in names]
     ways = {"q4_1 kernel": lambda x, i: cpu_ops.q4_linear(x, q4[i]),
+            "q4_1 amx": lambda x, i: cpu_ops.q4_linear(x, q4[i], amx=True),
             "bf16 kernel": lambda x, i: torch.ops.pagekube_cpu.bf16_linear(x, bf16[i], None),
+            "bf16 amx": lambda x, i: torch.ops.pagekube_cpu.bf16_amx_linear(x, bf16[i], None),
             "torch bf16": lambda x, i: F.linear(x, bf16[i])}
+    if not cpu_ops.cpu_supports_amx():
+        ways = {name: run for name, run in ways.items() if "amx" not in name}
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for k in {w.shape[1] for w in bf16}}
         times: dict[str, list[float]] = {name: [] for name in ways}
+        small = {name: run for name, run in ways.items() if m <= 64 or "kernel" not in name}  # those crawl past it
         for _ in range(reps):
-            for name, run in ways.items():
+            for name, run in small.items():
                 start = time.perf_counter()
                 for i, w in enumerate(bf16):
                     run(xs[w.shape[1]], i)
                 times[name].append(time.perf_counter() - start)
-        print(f"{m} rows: " + ", ".join(f"{n} {statistics.median(t) * 1e3:.2f} ms" for n, t in times.items()))
+        print(f"{m} rows: " + ", ".join(f"{n} {statistics.median(t) * 1e3:.2f} ms" for n, t in times.items() if t))
 
 
-def engine_step(steps: int, switch_every: int = 16) -> None:
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_memory=128 * 1024**2))
-    engine.add_request("0", [1000 + i for i in range(128)], SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
+def engine_step(sequences: int, steps: int, switch_every: int = 16) -> None:
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_memory=256 * 1024**2))
+    for s in range(sequences):
+        engine.add_request(str(s), [1000 + s + i for i in range(128)],
+                           SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    limit = cpu_ops.Q4_MAX_ROWS
-    ms = alternate(engine, steps, lambda on: setattr(cpu_ops, "Q4_MAX_ROWS", limit if on else 0), switch_every)
+    model, on = engine.runner.model, engine.runner.kernels
+    off = dataclasses.replace(on, amx=False)
+    ms = alternate(engine, steps, lambda amx: use_kernels(model, on if amx else off), switch_every)
     engine.close()
-    print(f"one sequence, decode step: q4_1 on {ms['on']:.2f} ms, q4_1 off {ms['off']:.2f} ms")
+    print(f"{sequences} sequences, decode step: amx on {ms['on']:.2f} ms, amx off {ms['off']:.2f} ms")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 32, 256])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (a check that the script works)")
@@ -73,7 +85,9 @@ def main() -> None:
     if not cpu_ops.load_cpu_kernels():
         raise SystemExit("the CPU extension is not available here (needs AVX512_BF16 and a C++ compiler)")
     linears(args.rows, args.reps)
-    engine_step(args.steps)
+    if cpu_ops.cpu_supports_amx():
+        for sequences in (1, 32):
+            engine_step(sequences, args.steps)
 
 
 if __name__ == "__main__":

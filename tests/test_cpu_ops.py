@@ -60,13 +60,46 @@ def test_rejects_other_dtypes(kernel):
 def test_linear_uses_the_kernel_only_for_small_bf16_batches(kernel):
     w = torch.randn(40, 96).bfloat16()
     small, large = torch.randn(cpu_ops.MAX_ROWS, 96).bfloat16(), torch.randn(cpu_ops.MAX_ROWS + 1, 96).bfloat16()
-    kernels = cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=64)
+    kernels = cpu_ops.CpuKernels(linear=True, q4=True, fused=True, decode_attention=True)  # a CPU without AMX
     assert kernels.takes_linear(small) and not kernels.takes_linear(large)
     assert torch.equal(kernels.matmul(small, w), kernel(small, w, None))
     assert torch.equal(kernels.matmul(large, w), F.linear(large, w))
-    # Chosen once per model: float32 models (or other devices) get none of the kernels.
+    # Chosen once per model: float32 models (or other devices) get none of the kernels; AMX where the CPU has it.
     assert cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.float32, head_dim=64) == cpu_ops.NO_KERNELS
     assert not cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=72).decode_attention
+    assert cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, 64).amx == cpu_ops.cpu_supports_amx()
+
+
+needs_amx = pytest.mark.skipif(not cpu_ops.cpu_supports_amx(), reason="this CPU has no AMX")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 300])  # C tiles narrower than 16, one pass, several
+@pytest.mark.parametrize("k,n", [(32, 64), (576, 96), (1536, 32)])
+def test_amx_linear_matches_float32_linear_and_no_row_depends_on_the_others(kernel, rows, k, n):
+    torch.manual_seed(rows + k)
+    x, w, b = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    got = torch.ops.pagekube_cpu.bf16_amx_linear(x, w, b)
+    torch.testing.assert_close(got.float(), reference(x, w, b), rtol=2**-7, atol=1e-3 * k)
+    half = rows // 2 + 1
+    for part, want in ((x[:1], got[:1]), (x[-1:], got[-1:]), (x[:half], got[:half]), (x[-half:], got[-half:])):
+        assert torch.equal(torch.ops.pagekube_cpu.bf16_amx_linear(part, w, b), want)
+
+
+@needs_amx
+def test_amx_linears_take_every_row_count_up_to_their_limit(kernel):
+    w = torch.randn(64, 96).bfloat16()
+    kernels = cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=64)
+    assert kernels.amx
+    x = torch.randn(cpu_ops.AMX_MAX_ROWS + 1, 96).bfloat16()
+    for rows in (1, cpu_ops.MAX_ROWS + 1, cpu_ops.AMX_MAX_ROWS):
+        assert kernels.takes_linear(x[:rows])
+        assert torch.equal(kernels.matmul(x[:rows], w), torch.ops.pagekube_cpu.bf16_amx_linear(x[:rows], w, None))
+    assert not kernels.takes_linear(x) and torch.equal(kernels.matmul(x, w), F.linear(x, w))
+    odd = torch.randn(40, 96).bfloat16()  # rows not a multiple of 32: the bf16 kernel, then torch
+    assert torch.equal(kernels.matmul(x[:2], odd), kernel(x[:2], odd, None))
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        torch.ops.pagekube_cpu.bf16_amx_linear(x[:2], odd, None)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 1),
@@ -165,7 +198,8 @@ def test_engine_uses_the_kernels_in_bf16_and_stays_close_to_float32(bundled_dir)
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
     bf16 = LLM(str(bundled_dir), dtype="bfloat16", kv_cache_memory=64 * 1024**2)
-    assert cpu_ops.loaded() and bf16.engine.runner.kernels.names == ["linear", "q4", "fused", "decode_attention"]
+    names = ["linear", "q4"] + ["amx"] * cpu_ops.cpu_supports_amx() + ["fused", "decode_attention"]
+    assert cpu_ops.loaded() and bf16.engine.runner.kernels.names == names
     got = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
     f32 = LLM(str(bundled_dir), dtype="float32", kv_cache_memory=64 * 1024**2)
     want = [o.outputs[0].token_ids for o in f32.generate(prompts, params)]

@@ -1,6 +1,7 @@
-"""GGUF Q4_1 linears kept in their blocks: the packing against gguf-py's own dequantizer, the kernel against
-float32 linear over the same weights, the converter against the bundled model's dequantized weights, and the
-engine reading them at one or two rows."""
+"""GGUF Q4_1 linears kept in their blocks: the packing against gguf-py's own dequantizer; both kernels over the
+blocks (AVX-512, and AMX where the CPU has it) against float32 linear over the bf16 copy's weights, which they must
+reproduce exactly, row by row whatever the batch; the converter against the bundled model's dequantized weights;
+the engine reading them."""
 
 import gguf
 import numpy as np
@@ -34,21 +35,63 @@ def test_pack_stands_for_the_weights_gguf_dequantizes(cols):
 
 
 needs_kernel = pytest.mark.skipif(not cpu_ops.cpu_supports_bf16_dot(), reason="this CPU has no AVX512_BF16")
+needs_amx = pytest.mark.skipif(not cpu_ops.cpu_supports_amx(), reason="this CPU has no AMX")
+BOTH_KERNELS = pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)], ids=["avx512", "amx"])
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])  # the engine uses 1-2; the kernel takes any number
+@BOTH_KERNELS
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 33, 70])  # AVX-512: the unrolled blocks; AMX: one and two passes
 @pytest.mark.parametrize("cols", [64, 576, 1536])  # one block pair; scales in full vectors of 16 and a tail
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_q4_kernel_matches_float32_linear(rows, cols, with_bias):
+def test_q4_kernel_matches_float32_linear_over_the_bf16_weights(amx, rows, cols, with_bias):
     assert cpu_ops.load_cpu_kernels()
     torch.manual_seed(rows + cols)
     w = gguf_linears.pack(random_q4_1(67, cols, seed=cols))
     x, b = torch.randn(rows, cols).bfloat16(), torch.randn(67).bfloat16() if with_bias else None
-    got = cpu_ops.q4_linear(x, w, b)
-    want = F.linear(x.float(), gguf_linears.unpack(w), None if b is None else b.float())
+    got = cpu_ops.q4_linear(x, w, b, amx=amx)
+    bf16_weights = gguf_linears.unpack(w).bfloat16().float()
+    want = F.linear(x.float(), bf16_weights, None if b is None else b.float())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 67)
-    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-2)  # float sums, one bf16 rounding
+
+
+@needs_kernel
+@BOTH_KERNELS
+def test_q4_kernels_compute_with_exactly_the_bf16_copys_weights(amx):
+    """Rows of the identity pick single weights out: each must equal, bit for bit, the bf16 rounding of d*q + m that
+    the engine's bf16 copy holds (so a step through the blocks and a step through the copy multiply by the same
+    numbers). The gguf float32 weights themselves are not bf16 numbers: a kernel reading those would fail here."""
+    assert cpu_ops.load_cpu_kernels()
+    w = gguf_linears.pack(random_q4_1(40, 576, seed=3))
+    exact = gguf_linears.unpack(w)
+    assert not torch.equal(exact.bfloat16().float(), exact)
+    got = cpu_ops.q4_linear(torch.eye(576).bfloat16(), w, amx=amx)
+    assert torch.equal(got, exact.bfloat16().T.contiguous())
+
+
+@needs_kernel
+@BOTH_KERNELS
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(amx):
+    assert cpu_ops.load_cpu_kernels()
+    w = gguf_linears.pack(random_q4_1(96, 576, seed=5))
+    x = torch.randn(300, 576).bfloat16()
+    everything = cpu_ops.q4_linear(x, w, amx=amx)
+    for rows in (1, 2, 5, 8, 9, 16, 17, 32, 33, 100):
+        assert torch.equal(cpu_ops.q4_linear(x[:rows], w, amx=amx), everything[:rows]), rows
+        assert torch.equal(cpu_ops.q4_linear(x[-rows:], w, amx=amx), everything[-rows:]), rows
+
+
+@needs_amx
+def test_the_amx_kernel_over_the_blocks_equals_it_over_the_bf16_weights():
+    """The same values in the same order: the Q4_1 blocks and the bf16 copy give identical results on AMX, so a model
+    with blocks and one without (tensor parallelism, the bf16 lm_head) add up the same way."""
+    assert cpu_ops.load_cpu_kernels()
+    w = gguf_linears.pack(random_q4_1(64, 1536, seed=7))
+    x, b = torch.randn(37, 1536).bfloat16(), torch.randn(64).bfloat16()
+    from_blocks = cpu_ops.q4_linear(x, w, b, amx=True)
+    from_weights = torch.ops.pagekube_cpu.bf16_amx_linear(x, gguf_linears.unpack(w).bfloat16(), b)
+    assert torch.equal(from_blocks, from_weights)
 
 
 @needs_kernel
@@ -85,10 +128,10 @@ def test_extract_skips_a_tensor_whose_rows_do_not_match(bundled_dir):
 
 
 @needs_kernel
-def test_engine_reads_q4_blocks_at_one_row_and_stays_close_to_bf16(bundled_dir):
-    """In bf16, every fused Linear of the bundled model carries its Q4_1 blocks; at one row the logits stay within
-    bf16 rounding of the bf16 weights' (the blocks are the exact weights; the bf16 copy rounds them). Greedy text in
-bf16 (which takes this path) against float32 is test_cpu_ops' end-to-end test."""
+def test_engine_reads_the_q4_blocks_and_gets_the_bf16_weights_results(bundled_dir):
+    """In bf16, every fused Linear of the bundled model carries its Q4_1 blocks and reads them (AMX: up to
+    AMX_MAX_ROWS rows; AVX-512: up to MAX_ROWS). With AMX a layer's output through the blocks equals, bit for bit, its
+    output through the bf16 weights; without, the two differ only in the order the kernels add."""
     from pagekube.engine import LLM
 
     llm = LLM(str(bundled_dir), dtype="bfloat16", kv_cache_memory=32 * 1024**2)
@@ -96,24 +139,26 @@ bf16 (which takes this path) against float32 is test_cpu_ops' end-to-end test.""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 30 and all(m.q4 is not None for m in linears)  # qkv, o, gate_up, down
     layer = model.model.layers[0].mlp.gate_up_proj
-    x = torch.randn(1, layer.in_features).bfloat16()
     assert layer.kernels.q4 and llm.engine.runner.kernels == layer.kernels  # one choice for the whole model
+    limit = cpu_ops.AMX_MAX_ROWS if layer.kernels.amx else cpu_ops.MAX_ROWS
+    x = torch.randn(limit + 1, layer.in_features).bfloat16()
     q4_calls = []
     real_q4 = cpu_ops.q4_linear
-    cpu_ops.q4_linear = lambda *a: q4_calls.append(a[0].shape[0]) or real_q4(*a)
+    cpu_ops.q4_linear = lambda *a, **k: q4_calls.append(a[0].shape[0]) or real_q4(*a, **k)
     try:
-        layer(x), layer(x.expand(2, -1).contiguous()), layer(x.expand(3, -1).contiguous())
+        layer(x[:1]), layer(x[:3]), layer(x[:limit]), layer(x)
     finally:
         cpu_ops.q4_linear = real_q4
-    assert q4_calls == [1, 2]  # the blocks at one and two rows, the bf16 weights from three
-    torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight).float(), rtol=0.02, atol=0.05)
-    hidden = torch.randn(1, model.config.hidden_size).bfloat16()
+    assert q4_calls == [1, 3, limit]  # the blocks up to the limit, torch's GEMM over the bf16 weights past it
+    hidden = torch.randn(3, model.config.hidden_size).bfloat16()
     with torch.no_grad():
-        quantized = model.model.layers[3].mlp(hidden.clone())
+        blocks = model.model.layers[3].mlp(hidden.clone())
         for m in linears:
             m.q4, m.saved = None, m.q4
-        plain = model.model.layers[3].mlp(hidden.clone())
+        weights = model.model.layers[3].mlp(hidden.clone())
         for m in linears:
             m.q4 = m.saved
-    error = (quantized.float() - plain.float()).norm() / plain.float().norm()
-    assert 0 < error < 0.01, error  # not the same computation, but the same weights to bf16 rounding
+    if layer.kernels.amx:
+        assert torch.equal(blocks, weights)
+    else:
+        torch.testing.assert_close(blocks.float(), weights.float(), rtol=0.02, atol=0.02)

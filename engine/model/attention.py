@@ -34,9 +34,9 @@ class TorchAttention:
             decodes, prefills = meta.derived["torch_kernel"]
             out = torch.empty_like(q)
             if decodes is not None:
-                rows, seqs = decodes
+                rows, seqs, lens = decodes
                 out[rows] = torch.ops.pagekube_cpu.paged_decode_attention(
-                    q[rows], k_cache, v_cache, meta.block_tables[seqs], meta.context_lens[seqs], scale)
+                    q[rows], k_cache, v_cache, meta.block_tables[seqs], lens, scale)
             self._prefill(out, q, k_cache, v_cache, meta, prefills, scale)
             return out
         if "torch" not in meta.derived:  # the plan is the same for every layer of a step
@@ -50,24 +50,38 @@ class TorchAttention:
 
     @staticmethod
     def _prefill(out, q, k_cache, v_cache, meta: AttentionMetadata, prefills, scale: float) -> None:
-        for i, s, e in prefills:  # prefill chunks one by one (each its own causal shape)
+        for i, s, e, context in prefills:  # prefill chunks one by one (each its own causal shape)
             out[s:e] = paged_attention_ref(q[s:e], k_cache, v_cache, meta.block_tables[i:i + 1], [0, e - s],
-                                           [meta.context_lens_list[i]], scale)
+                                           [context], scale)
 
     @staticmethod
-    def _prefill_chunks(meta: AttentionMetadata, starts: list[int]) -> list[tuple[int, int, int]]:
-        """(sequence, first row, end row) of every sequence with more than one query token this step."""
-        return [(i, starts[i], starts[i + 1]) for i, n in enumerate(meta.query_lens) if n > 1]
+    def _prefill_chunks(meta: AttentionMetadata, starts: list[int]) -> list[tuple[int, int, int, int]]:
+        """(sequence, first row, end row, context length at the end row) of every sequence's prompt rows this step."""
+        chunks = []
+        for i, n in enumerate(meta.query_lens):
+            generated = meta.generated_rows(i)
+            if n > generated:
+                chunks.append((i, starts[i], starts[i + 1] - generated, meta.context_lens_list[i] - generated))
+        return chunks
 
     @staticmethod
     def _kernel_plan(meta: AttentionMetadata):
-        """A mixed step: the decode tokens' rows and sequences (one kernel call), and the prefill chunks."""
+        """A mixed step: the rows of generated tokens (decodes, a speculative step's drafts) with their sequences
+        and causal context lengths, for one decode-kernel call; the prompt rows' chunks, for the prefill path.
+        A generated token's attention is then the same computation whether it was decoded alone, in a batch or
+        verified with drafts, and a prompt token's whether or not the prefix cache held the rows before it."""
         starts = meta.query_start_loc.tolist()
-        decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        rows, seqs, lens = [], [], []
+        for i in range(len(meta.query_lens)):
+            g, end, context = meta.generated_rows(i), starts[i + 1], meta.context_lens_list[i]
+            rows += range(end - g, end)  # row j of the g sees the context up to and including itself
+            seqs += [i] * g
+            lens += range(context - g + 1, context + 1)
         prefills = TorchAttention._prefill_chunks(meta, starts)
         device = meta.block_tables.device
-        rows = (torch.tensor([starts[i] for i in decodes], device=device), torch.tensor(decodes, device=device))
-        return (rows if decodes else None), prefills
+        decodes = tuple(torch.tensor(v, device=device) for v in (rows, seqs))
+        decodes += (torch.tensor(lens, dtype=meta.context_lens.dtype, device=device),)
+        return (decodes if rows else None), prefills
 
     @staticmethod
     def _plan(meta: AttentionMetadata, block_size: int):
@@ -78,7 +92,7 @@ class TorchAttention:
         starts = meta.query_start_loc.tolist()
         lens = meta.context_lens_list
         decodes = sorted((i for i, n in enumerate(meta.query_lens) if n == 1), key=lens.__getitem__)
-        prefills = TorchAttention._prefill_chunks(meta, starts)
+        prefills = [(i, starts[i], starts[i + 1], lens[i]) for i, n in enumerate(meta.query_lens) if n > 1]
         device = meta.block_tables.device
         groups = []
         for g in range(0, len(decodes), DECODE_GROUP):

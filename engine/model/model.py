@@ -28,10 +28,20 @@ class AttentionMetadata:
     query_lens: list[int]
     context_lens_list: list[int]
     derived: dict = field(default_factory=dict)  # per-step tensors a backend builds once and reuses in every layer
+    # How many of each sequence's query rows (its first ones) are prompt tokens; the rest are tokens the sequence
+    # generated (a decode, a speculative step's drafts). None: one-row sequences decode, longer ones are prompt.
+    prompt_rows: list[int] | None = None
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
+        return all(n == 1 for n in self.query_lens) and not any(self.prompt_rows or ())
+
+    def generated_rows(self, i: int) -> int:
+        """How many of sequence i's query rows this step are generated tokens (they come after its prompt rows)."""
+        n = self.query_lens[i]
+        if self.prompt_rows is None:
+            return 1 if n == 1 else 0
+        return n - self.prompt_rows[i]
 
 
 class AttentionBackend(Protocol):
@@ -71,8 +81,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.cpu_ops (faster small-batch kernels on CPUs that have them). `q4`: the same
-    weights in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` at one or two rows."""
+    """nn.Linear through kernels.cpu_ops (AMX or small-batch kernels on CPUs that have them). `q4`: the same weights
+    in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` by those kernels."""
 
     q4 = None
     kernels: CpuKernels = NO_KERNELS

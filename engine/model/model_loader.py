@@ -79,5 +79,5 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
     if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == 1 and cpu_ops.loaded():
         attached = gguf_linears.attach(model, model_dir)  # only the CPU extension reads them
         if attached:
-            log.info("%d linears also read from the GGUF's Q4_1 blocks at one or two rows", attached)
+            log.info("%d linears also read from the GGUF's Q4_1 blocks by the CPU kernels", attached)
     return model.eval()

@@ -155,23 +155,24 @@ class ModelRunner:
             real = n - len(drafts)
             ends = start + real == seq.num_tokens
             num_logits = (1 + len(drafts)) if ends else 0
-            items.append((seq.block_table, start, seq.token_ids[start : start + real] + drafts, num_logits))
+            prompt_rows = min(n, max(0, seq.num_prompt_tokens - start))
+            items.append((seq.block_table, start, seq.token_ids[start : start + real] + drafts, num_logits, prompt_rows))
             if ends:
                 sample_idx.append(i)
                 first_rows.append(rows)
                 rows += num_logits
         return self.forward(items, batch.blocks_to_copy), sample_idx, first_rows
 
-    def forward(self, items: list[tuple[list[int], int, list[int], int]],
-                copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """One forward over (block_table, start position, tokens, logits wanted) items: each item's tokens take
-        positions start.. and their KV slots in its blocks; logits come back for each item's last `logits wanted`
-        tokens, in item order. Block copies (copy-on-write) are applied first."""
+    def forward(self, items: list[tuple], copies: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """One forward over (block_table, start position, tokens, logits wanted[, prompt rows]) items: each item's
+        tokens take positions start.. and their KV slots in its blocks; logits come back for each item's last
+        `logits wanted` tokens, in item order; the first `prompt rows` tokens are prompt (the rest generated; without
+        it, one token is a decode and more are prompt). Block copies (copy-on-write) are applied first."""
         bs = self.block_size
-        tokens, positions, slots, starts, ctx_lens, logit_rows = [], [], [], [0], [], []
+        tokens, positions, slots, starts, ctx_lens, logit_rows, prompt_rows = [], [], [], [0], [], [], []
         max_blocks = max([1] + [len(table) for table, *_ in items])
         tables = []
-        for table, start, toks, num_logits in items:
+        for table, start, toks, num_logits, *prompt in items:
             n = len(toks)
             tokens.extend(toks)
             pos = range(start, start + n)
@@ -182,9 +183,10 @@ class ModelRunner:
             tables.extend(table)
             tables.extend([0] * (max_blocks - len(table)))
             logit_rows.extend(range(starts[-1] - num_logits, starts[-1]))
+            prompt_rows.append(prompt[0] if prompt else (0 if n == 1 else n))
         header = [FORWARD, len(items), len(tokens), max_blocks, len(logit_rows), len(copies)]
         payload = torch.tensor([*tokens, *positions, *slots, *starts, *ctx_lens, *tables, *logit_rows,
-                                *(s for s, _ in copies), *(d for _, d in copies)], dtype=torch.long)
+                                *(s for s, _ in copies), *(d for _, d in copies), *prompt_rows], dtype=torch.long)
         if self.shard.size > 1:
             dist.broadcast(torch.tensor(header), src=0, group=self.control)
             dist.broadcast(payload, src=0, group=self.control)
@@ -199,7 +201,7 @@ class ModelRunner:
             if header[0] == STOP:
                 return
             _, items, tokens, max_blocks, logits, copies = header
-            payload = torch.empty(3 * tokens + 2 * items + 1 + items * max_blocks + logits + 2 * copies,
+            payload = torch.empty(3 * tokens + 3 * items + 1 + items * max_blocks + logits + 2 * copies,
                                   dtype=torch.long)
             dist.broadcast(payload, src=0, group=self.control)
             self._run(header, payload)
@@ -211,8 +213,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
         _, n_items, n_tokens, max_blocks, n_logits, n_copies = header
-        tokens, positions, slots, starts, ctx_lens, tables, logit_rows, src, dst = payload.split(
-            [n_tokens, n_tokens, n_tokens, n_items + 1, n_items, n_items * max_blocks, n_logits, n_copies, n_copies])
+        tokens, positions, slots, starts, ctx_lens, tables, logit_rows, src, dst, prompt_rows = payload.split(
+            [n_tokens, n_tokens, n_tokens, n_items + 1, n_items, n_items * max_blocks, n_logits, n_copies, n_copies,
+             n_items])
         to_dev = self._to_device
         if n_copies:
             self._copy_blocks(to_dev(src), to_dev(dst))
@@ -224,6 +227,7 @@ class ModelRunner:
             context_lens=to_dev(ctx_lens.to(torch.int32)),
             query_lens=[b - a for a, b in zip(starts_list, starts_list[1:])],
             context_lens_list=ctx_list,
+            prompt_rows=prompt_rows.tolist(),
         )
         hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
         return self.model.compute_logits(hidden[to_dev(logit_rows)])

@@ -1,6 +1,7 @@
 """The CPU extension: the small-batch linears over bf16 weights (bf16_linear.cpp) and over GGUF Q4_1 blocks
-(q4_linear.cpp), paged decode attention (paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp:
-RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write).
+(q4_linear.cpp), the same linears on AMX tiles at any row count (amx_linear.cpp), paged decode attention
+(paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp: RMSNorm with the residual add, SiLU-and-mul,
+RoPE with the KV write).
 
 Compiled on first use with torch.utils.cpp_extension into ~/.cache/pagekube/torch_extensions (about 15 s, once per
 machine and torch version). Without a C++ compiler, without AVX512_BF16, or with PAGEKUBE_CPU_KERNELS=0 the engine
@@ -21,17 +22,20 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): above it, torch is as fast or faster
-# Measured crossover of the Q4_1 kernel with the bf16 one (bench/cpu_linears.py): it reads a third of the bytes, but
-# unpacking and scaling each block costs arithmetic per row of x: 1.6x faster at one row, about even at two, slower
-# from three up (docs/benchmarks.md).
-Q4_MAX_ROWS = 2
+# Where AMX runs the linears: one kernel from one row to AMX_MAX_ROWS (faster than torch's GEMM up to about there,
+# bench/cpu_linears.py), and past it torch's own AMX GEMM, which adds in the same order (docs/architecture.md).
+AMX_MAX_ROWS = 1024
 SOURCES = [Path(__file__).parent / name
-           for name in ("bf16_linear.cpp", "q4_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
+           for name in ("bf16_linear.cpp", "q4_linear.cpp", "amx_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _state: dict[str, bool] = {}
 
 
 def cpu_supports_bf16_dot() -> bool:
     return torch.cpu._is_avx512_bf16_supported()
+
+
+def cpu_supports_amx() -> bool:
+    return cpu_supports_bf16_dot() and torch.cpu._is_amx_tile_supported()
 
 
 def load_cpu_kernels() -> bool:
@@ -56,7 +60,7 @@ def load_cpu_kernels() -> bool:
         load("pagekube_cpu", [str(p) for p in SOURCES], build_directory=str(build_dir), is_python_module=False,
              # -fopenmp: at::parallel_for is inlined from torch's headers as `#pragma omp parallel`; without the
              # flag every kernel runs on one thread (it resolves to torch's own libgomp at load time).
-             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mf16c"],
+             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16"],
              extra_ldflags=["-fopenmp"])
     except Exception as err:  # no compiler (the engine images have none), a read-only home, an old toolchain
         log.warning({"msg": "CPU kernels unavailable; using torch's ops", "error": str(err)[-500:]})
@@ -75,9 +79,9 @@ def loaded() -> bool:
     return _state.get("loaded", False)
 
 
-def q4_linear(x: torch.Tensor, q4, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ bias) with w in Q4_1 blocks (engine/model/layers/gguf_linears.Q4Weight)."""
-    return torch.ops.pagekube_cpu.q4_1_linear(x, q4.qs, q4.d, q4.m, bias)
+def q4_linear(x: torch.Tensor, q4, bias: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
+    """x @ w.T (+ bias) with w in Q4_1 blocks (engine/model/layers/gguf_linears.Q4Weight); `amx`: on AMX tiles."""
+    return torch.ops.pagekube_cpu.q4_1_linear(x, q4.qs, q4.d, q4.m, bias, amx)
 
 
 @dataclass(frozen=True)
@@ -87,30 +91,41 @@ class CpuKernels:
     per call: how many rows it has."""
 
     linear: bool = False  # bf16 linears at up to MAX_ROWS rows
-    q4: bool = False  # a GGUF's Q4_1 blocks at up to Q4_MAX_ROWS rows, for Linears that have them
+    q4: bool = False  # a GGUF's Q4_1 blocks at up to MAX_ROWS rows, for Linears that have them
+    # Every linear (Q4_1 blocks or bf16) on AMX tiles at up to AMX_MAX_ROWS rows, in place of both: a row's result
+    # then does not depend on how many rows its step has (batch invariance), at some cost in steps of one row.
+    amx: bool = False
     fused: bool = False  # RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write
     decode_attention: bool = False  # paged decode attention, reading K/V in place
 
     @classmethod
     def for_model(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels:
         on = loaded() and device.type == "cpu" and dtype == torch.bfloat16
-        return cls(linear=on, q4=on, fused=on, decode_attention=on and head_dim % 16 == 0 and head_dim <= 256)
+        return cls(linear=on, q4=on, amx=on and cpu_supports_amx(), fused=on,
+                   decode_attention=on and head_dim % 16 == 0 and head_dim <= 256)
 
     @property
     def names(self) -> list[str]:
         return [name for name, on in vars(self).items() if on]
 
     def takes_linear(self, x: torch.Tensor) -> bool:
-        return self.linear and x.shape[0] <= MAX_ROWS
+        return x.shape[0] <= (AMX_MAX_ROWS if self.amx else MAX_ROWS if self.linear else 0)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, q4=None):
-        """x @ weight.T (+ bias): the Q4_1 blocks at one or two rows (when given), the bf16 kernel up to
-        MAX_ROWS, torch above (measured crossovers, docs/benchmarks.md)."""
+        """x @ weight.T (+ bias). With AMX: the Q4_1 blocks (when given) or the bf16 weights on AMX tiles up to
+        AMX_MAX_ROWS. Without: the Q4_1 blocks or the bf16 kernel up to MAX_ROWS. Torch above (measured
+        crossovers, docs/benchmarks.md). The Q4_1 kernels compute with the bf16 weights' exact values."""
         rows = x.shape[0]
-        if q4 is not None and self.q4 and rows <= Q4_MAX_ROWS:
-            return q4_linear(x, q4, bias)
-        if self.linear and rows <= MAX_ROWS:
-            return torch.ops.pagekube_cpu.bf16_linear(x, weight, bias)
+        if self.amx and rows <= AMX_MAX_ROWS:
+            if q4 is not None:
+                return q4_linear(x, q4, bias, amx=True)
+            if weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0:
+                return torch.ops.pagekube_cpu.bf16_amx_linear(x, weight, bias)
+        if rows <= MAX_ROWS:
+            if q4 is not None and self.q4:
+                return q4_linear(x, q4, bias)
+            if self.linear:
+                return torch.ops.pagekube_cpu.bf16_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
 
