@@ -102,6 +102,17 @@ def test_amx_linears_take_every_row_count_up_to_their_limit(kernel):
         torch.ops.pagekube_cpu.bf16_amx_linear(x[:2], odd, None)
 
 
+@needs_amx
+def test_without_batch_invariance_small_steps_take_the_avx512_kernel(kernel, monkeypatch):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    kernels = cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=64)
+    assert kernels.amx and not kernels.batch_invariant
+    w, x = torch.randn(64, 96).bfloat16(), torch.randn(cpu_ops.AVX512_ROWS_BEFORE_AMX + 1, 96).bfloat16()
+    small = x[:cpu_ops.AVX512_ROWS_BEFORE_AMX]
+    assert torch.equal(kernels.matmul(small, w), kernel(small, w, None))
+    assert torch.equal(kernels.matmul(x, w), torch.ops.pagekube_cpu.bf16_amx_linear(x, w, None))
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 1),
                                                                   (6, 1, 32, 32), (4, 2, 80, 16), (2, 2, 16, 16)])
 @pytest.mark.parametrize("seqs", [1, 7])  # one: a task per KV head; seven: a task per sequence (2 threads)

@@ -25,6 +25,9 @@ MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): 
 # Where AMX runs the linears: one kernel from one row to AMX_MAX_ROWS (faster than torch's GEMM up to about there,
 # bench/cpu_linears.py), and past it torch's own AMX GEMM, which adds in the same order (docs/architecture.md).
 AMX_MAX_ROWS = 1024
+# Without batch invariance (VLLM_BATCH_INVARIANT=0) steps of up to this many rows take the AVX-512 kernels instead,
+# faster there than AMX, which multiplies 16 rows at a time (bench/cpu_linears.py).
+AVX512_ROWS_BEFORE_AMX = 4
 SOURCES = [Path(__file__).parent / name
            for name in ("bf16_linear.cpp", "q4_linear.cpp", "amx_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 _state: dict[str, bool] = {}
@@ -36,6 +39,12 @@ def cpu_supports_bf16_dot() -> bool:
 
 def cpu_supports_amx() -> bool:
     return cpu_supports_bf16_dot() and torch.cpu._is_amx_tile_supported()
+
+
+def batch_invariant() -> bool:
+    """vLLM's switch, here on by default: VLLM_BATCH_INVARIANT=0 gives up batch invariance on AMX CPUs for faster
+    steps of a few rows (the AVX-512 kernels up to AVX512_ROWS_BEFORE_AMX: docs/operations.md)."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"
 
 
 def load_cpu_kernels() -> bool:
@@ -95,18 +104,19 @@ class CpuKernels:
     # Every linear (Q4_1 blocks or bf16) on AMX tiles at up to AMX_MAX_ROWS rows, in place of both: a row's result
     # then does not depend on how many rows its step has (batch invariance), at some cost in steps of one row.
     amx: bool = False
+    batch_invariant: bool = True  # False: the AVX-512 kernels keep steps of up to AVX512_ROWS_BEFORE_AMX rows
     fused: bool = False  # RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write
     decode_attention: bool = False  # paged decode attention, reading K/V in place
 
     @classmethod
     def for_model(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels:
         on = loaded() and device.type == "cpu" and dtype == torch.bfloat16
-        return cls(linear=on, q4=on, amx=on and cpu_supports_amx(), fused=on,
+        return cls(linear=on, q4=on, amx=on and cpu_supports_amx(), batch_invariant=batch_invariant(), fused=on,
                    decode_attention=on and head_dim % 16 == 0 and head_dim <= 256)
 
     @property
     def names(self) -> list[str]:
-        return [name for name, on in vars(self).items() if on]
+        return [name for name, on in vars(self).items() if on and name != "batch_invariant"]
 
     def takes_linear(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= (AMX_MAX_ROWS if self.amx else MAX_ROWS if self.linear else 0)
@@ -116,7 +126,7 @@ class CpuKernels:
         AMX_MAX_ROWS. Without: the Q4_1 blocks or the bf16 kernel up to MAX_ROWS. Torch above (measured
         crossovers, docs/benchmarks.md). The Q4_1 kernels compute with the bf16 weights' exact values."""
         rows = x.shape[0]
-        if self.amx and rows <= AMX_MAX_ROWS:
+        if self.amx and rows <= AMX_MAX_ROWS and (self.batch_invariant or rows > AVX512_ROWS_BEFORE_AMX):
             if q4 is not None:
                 return q4_linear(x, q4, bias, amx=True)
             if weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0:
