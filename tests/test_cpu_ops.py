@@ -209,7 +209,7 @@ def test_engine_uses_the_kernels_in_bf16_and_stays_close_to_float32(bundled_dir)
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
     bf16 = LLM(str(bundled_dir), dtype="bfloat16", kv_cache_memory=64 * 1024**2)
-    names = ["linear", "q4"] + ["amx"] * cpu_ops.cpu_supports_amx() + ["fused", "decode_attention"]
+    names = ["linear", "q4"] + ["amx", "batch_invariant"] * cpu_ops.cpu_supports_amx() + ["fused", "decode_attention"]
     assert cpu_ops.loaded() and bf16.engine.runner.kernels.names == names
     got = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
     f32 = LLM(str(bundled_dir), dtype="float32", kv_cache_memory=64 * 1024**2)

@@ -116,7 +116,8 @@ class CpuKernels:
 
     @property
     def names(self) -> list[str]:
-        return [name for name, on in vars(self).items() if on and name != "batch_invariant"]
+        """The kernels in use, for /version and pagekube:kernels_info ("batch_invariant" only where AMX makes it so)."""
+        return [name for name, on in vars(self).items() if on and (name != "batch_invariant" or self.amx)]
 
     def takes_linear(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= (AMX_MAX_ROWS if self.amx else MAX_ROWS if self.linear else 0)
