@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pagekube.operator import naming
 from pagekube.operator.events import post_event
 from pagekube.operator.informer import Informer, wait_synced
+from pagekube.operator.model_revision import reported_commit
 from pagekube.operator.reconciler import OWNED_KINDS, Reconciler
-from pagekube.operator.spec import GROUP, KIND, PLURAL, VERSION
+from pagekube.operator.spec import GROUP, KIND, PLURAL, VERSION, LLMDeploymentSpec
 from pagekube.operator.workqueue import QueueMetrics, WorkQueue
 
 log = logging.getLogger("pagekube.operator")
@@ -139,10 +140,23 @@ class Controller:
                 self.queue.add(key)
 
     def _pod_changed(self, event: str, pod: dict) -> None:
-        """Pods change often: only one the scheduler cannot place wakes its owner (the Unschedulable condition)."""
-        if event != "DELETED" and any(c.get("reason") == "Unschedulable"
-                                      for c in (pod.get("status") or {}).get("conditions") or []):
+        """Pods change often: only one the scheduler cannot place (the Unschedulable condition) or one whose hf://
+        download reported the commit its owner has not recorded yet wakes its owner."""
+        if event == "DELETED":
+            return
+        status = pod.get("status") or {}
+        if any(c.get("reason") == "Unschedulable" for c in status.get("conditions") or []) or self._unrecorded_commit(pod):
             self._child_changed(event, pod)
+
+    def _unrecorded_commit(self, pod: dict) -> bool:
+        meta = pod["metadata"]
+        owner = self.parent(meta["namespace"], (meta.get("labels") or {}).get(naming.OWNER_LABEL, ""))
+        try:
+            spec = LLMDeploymentSpec.model_validate((owner or {}).get("spec") or {})
+        except ValueError:  # an invalid spec: its own pass reports that
+            return False
+        commit = reported_commit([pod], spec) if owner else None
+        return commit is not None and ((owner.get("status") or {}).get("model") or {}).get("revision") != commit
 
     # ---- running ---------------------------------------------------------------------------------------------
     def informers(self) -> list[Informer]:

@@ -75,6 +75,12 @@ def _status_schema() -> dict:
             "readyReplicas": {"type": "integer"},
             "selector": {"type": "string"},
             "endpoint": {"type": "string"},
+            "model": {
+                "type": "object",
+                "description": "The model the pods serve; for hf:// the commit they download (pinned after the first)",
+                "properties": {"source": {"type": "string"}, "requested": {"type": "string"},
+                               "revision": {"type": "string"}},
+            },
             "conditions": {
                 "type": "array",
                 "items": condition,

@@ -8,6 +8,7 @@ from kubernetes.utils import parse_quantity
 
 from pagekube.operator import engine_flags, naming
 from pagekube.operator.availability import topology_spread
+from pagekube.operator.model_revision import DOWNLOAD_CONTAINER
 from pagekube.operator.placement import engine_placement
 from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.rollout import deployment_strategy
@@ -16,10 +17,19 @@ from pagekube.operator.spec import LLMDeploymentSpec
 MODELS_DIR = "/models"
 ENGINE_UID = 1000  # the engine image's user (images/engine/Dockerfile)
 S3_IMAGE = "amazon/aws-cli:2.22.35"
-# Runs in the engine image (huggingface_hub comes with transformers); HF_TOKEN etc. come from engine.env.
+# Runs in the engine image (huggingface_hub comes with transformers); HF_TOKEN etc. come from engine.env. Resolves the
+# revision (a branch, a tag, none: the default branch) to its commit, downloads that commit and reports it as the
+# container's termination message, which the operator records and pins later pods to (operator/model_revision.py).
 HF_DOWNLOAD = (
-    "import sys; from huggingface_hub import snapshot_download; "
-    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2] or None, local_dir=sys.argv[3])"
+    "import sys; from huggingface_hub import HfApi, snapshot_download\n"
+    "repo, revision, target, report = (sys.argv[1:] + ['/dev/termination-log'])[:4]\n"
+    "commit = HfApi().model_info(repo, revision=revision or None).sha\n"
+    "snapshot_download(repo_id=repo, revision=commit, local_dir=target)\n"
+    "print('downloaded', repo, 'at', commit, flush=True)\n"
+    "try:\n"
+    "    open(report, 'w').write(commit)\n"
+    "except OSError as err:\n"
+    "    print('could not report the commit:', err)"
 )
 GRACE_MARGIN_SECONDS = 15  # after preStop + drain: process exit, log flush
 
@@ -140,12 +150,12 @@ def _model_volume_and_init(name: str, spec: LLMDeploymentSpec) -> tuple[list[dic
     env = _user_env(spec)
     if scheme == "hf":
         init = {
-            "name": "model-download",
+            "name": DOWNLOAD_CONTAINER,
             "image": spec.engine.image,
             "command": ["python", "-c", HF_DOWNLOAD, rest, spec.model.revision or "", model_path(spec)],
         }
     else:  # s3
-        init = {"name": "model-download", "image": S3_IMAGE, "args": ["s3", "sync", spec.model.source, model_path(spec)]}
+        init = {"name": DOWNLOAD_CONTAINER, "image": S3_IMAGE, "args": ["s3", "sync", spec.model.source, model_path(spec)]}
         env = [{"name": "HOME", "value": "/tmp"}, *env]  # runs as the pod's non-root user: aws-cli needs a writable home
     # The download writes only to the models volume and its own caches (HOME in the image): root stays writable.
     if spec.engine.env_from:  # credentials kept in a Secret reach the download too

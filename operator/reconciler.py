@@ -26,6 +26,7 @@ from kubernetes.utils import parse_quantity
 from pagekube.operator import naming
 from pagekube.operator.desired import desired_objects
 from pagekube.operator.metrics_check import check_metrics
+from pagekube.operator.model_revision import model_status, pinned_commit, pinned_spec
 from pagekube.operator.rollout import insufficient_gpu, rolling_out
 from pagekube.operator.spec import GROUP, PLURAL, VERSION, LLMDeploymentSpec
 from pagekube.operator.status import compute_status, merge_transition_times, status_changed
@@ -166,22 +167,32 @@ class Reconciler:
                     pass  # already gone
                 result.writes.append(f"delete {kind}/{child_name}")
 
+    def _engine_pods(self, name: str, namespace: str) -> list[dict]:
+        if self.cache is not None:
+            return self.cache.engine_pods(namespace, name)
+        listed = self.core.list_namespaced_pod(namespace, label_selector=naming.selector_string(name, "engine"))
+        return self.api.sanitize_for_serialization(listed)["items"]
+
     def _pods_waiting_for_gpu(self, name: str, namespace: str, spec: LLMDeploymentSpec, live_engine: dict | None) -> str | None:
         """The scheduler's message for an engine pod it cannot place for want of GPUs (None: no such pod)."""
         if spec.resources.gpu == 0 or not rolling_out(live_engine):
             return None
-        if self.cache is not None:
-            pods = self.cache.engine_pods(namespace, name)
-        else:
-            listed = self.core.list_namespaced_pod(namespace, label_selector=naming.selector_string(name, "engine"))
-            pods = self.api.sanitize_for_serialization(listed)["items"]
-        return insufficient_gpu(pods, spec.resources.gpu_resource_name)
+        return insufficient_gpu(self._engine_pods(name, namespace), spec.resources.gpu_resource_name)
+
+    def _pinned_commit(self, name: str, namespace: str, spec: LLMDeploymentSpec, status: dict | None) -> str | None:
+        """The hf:// commit the pods download (operator/model_revision.py); pods are read only until one is known."""
+        if not spec.model.source.startswith("hf://"):
+            return None
+        recorded = pinned_commit(spec, status, [])
+        return recorded or pinned_commit(spec, status, self._engine_pods(name, namespace))
 
     def reconcile(self, body: dict) -> ReconcileResult:
         """Bring the children of one LLMDeployment (its full object as a dict) in line with its spec."""
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         spec = LLMDeploymentSpec.model_validate(body.get("spec") or {})
+        commit = self._pinned_commit(name, namespace, spec, body.get("status"))
+        spec_as_run = pinned_spec(spec, commit)  # what the pods download: the spec's revision, or the pinned commit
         result = ReconcileResult(problems=self.secrets.problems(namespace, spec))
         blocked = bool(result.problems)
         deployment = gpu_wait = metrics = None
@@ -190,7 +201,7 @@ class Reconciler:
             live_engine = (live[("apps/v1", "Deployment")] or {}).get(naming.engine_name(name))
             gpu_wait = self._pods_waiting_for_gpu(name, namespace, spec, live_engine)
             replicas = (live_engine or {}).get("spec", {}).get("replicas") if spec.autoscaling.enabled else None
-            wanted = desired_objects(name, namespace, uid, spec, replicas, gpu_starved=gpu_wait is not None)
+            wanted = desired_objects(name, namespace, uid, spec_as_run, replicas, gpu_starved=gpu_wait is not None)
             for obj in wanted:
                 of_kind = live.get((obj["apiVersion"], obj["kind"]))
                 if of_kind is None:
@@ -207,6 +218,7 @@ class Reconciler:
                 metrics = check_metrics(name, namespace, spec, ready)
         new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked,
                              gpu_wait, metrics)
+        new["model"] = model_status(spec, commit)
         old = body.get("status") or {}
         new = merge_transition_times(new, old)
         if status_changed(new, old) and self._written.get((namespace, uid)) != new:

@@ -84,7 +84,12 @@ def merge_transition_times(new: dict, old: dict | None, now: datetime | None = N
     return new
 
 
+def _set(value):
+    """`value` as the API server stores it after a merge patch: keys whose value is None are absent."""
+    return {k: _set(v) for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
 def status_changed(new: dict, old: dict | None) -> bool:
     """Whether writing `new` changes anything (only our own keys count; kopf keeps its own under status too)."""
     old = old or {}
-    return any(old.get(k) != v for k, v in new.items())
+    return any(old.get(k) != _set(v) for k, v in new.items())
