@@ -113,6 +113,34 @@ def test_without_batch_invariance_small_steps_take_the_avx512_kernel(kernel, mon
     assert torch.equal(kernels.matmul(x, w), torch.ops.pagekube_cpu.bf16_amx_linear(x, w, None))
 
 
+def test_generated_rows_take_the_decode_kernel_each_over_its_causal_prefix_and_prompt_rows_the_prefill_path(kernel):
+    """A step with a speculative chunk (5 generated rows), a prompt chunk (4 rows), a recomputed sequence (3 prompt
+    rows, then 2 generated) and a plain decode: every row equals causal attention over its own prefix."""
+    from pagekube.engine.model.attention import TorchAttention
+    from pagekube.engine.model.model import AttentionMetadata
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block_size, blocks = 9, 3, 64, 16, 12
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim).bfloat16()
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim).bfloat16()
+    query_lens, context, prompt_rows = [5, 4, 5, 1], [37, 20, 30, 9], [0, 4, 3, 0]
+    tables = torch.tensor([[0, 1, 2, 0], [3, 4, 0, 0], [5, 6, 7, 0], [8, 0, 0, 0]], dtype=torch.int32)
+    starts = [0, 5, 9, 14, 15]
+    q = torch.randn(starts[-1], heads, dim).bfloat16()
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), block_tables=tables,
+                             query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                             context_lens=torch.tensor(context, dtype=torch.int32), query_lens=query_lens,
+                             context_lens_list=context, prompt_rows=prompt_rows)
+    backend = TorchAttention()
+    backend.kernels = cpu_ops.CpuKernels(decode_attention=True)
+    got = backend.attend(q, k_cache, v_cache, meta, dim**-0.5)
+    want = paged_attention_ref(q, k_cache, v_cache, tables, starts, context, dim**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), **BF16)
+    decodes, prefills = meta.derived["torch_kernel"]
+    assert decodes[0].tolist() == [0, 1, 2, 3, 4, 12, 13, 14] and decodes[2].tolist() == [33, 34, 35, 36, 37, 29, 30, 9]
+    assert prefills == [(1, 5, 9, 20), (2, 9, 12, 28)]
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 1),
                                                                   (6, 1, 32, 32), (4, 2, 80, 16), (2, 2, 16, 16)])
 @pytest.mark.parametrize("seqs", [1, 7])  # one: a task per KV head; seven: a task per sequence (2 threads)
