@@ -134,13 +134,15 @@ class AsyncEngine:
         """Run a tokenizer call (encode, chat template, decode) on the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
-    async def add_request(self, prompt: str | list[int], params: SamplingParams,
-                          request_id: str | None = None) -> RequestStream:
-        """Tokenize, validate and queue a request. Raises RequestRejected (bad request) before anything is queued."""
-        self._check_alive()
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                          reserved: bool = False) -> RequestStream:
+        """Tokenize, validate and queue a request. Raises RequestRejected (bad request) before anything is queued.
+        `reserved`: the caller's admission slot (`reserve`) becomes this request's, so it is never counted twice."""
         request_id = request_id or uuid.uuid4().hex
-        self.reserve()  # released by the loop thread once the request is in the scheduler (or dropped)
+        if not reserved:
+            self.reserve()  # released by the loop thread once the request is in the scheduler (or dropped)
         try:
+            self._check_alive()
             req = await self.run_tokenizer(self.engine.prepare_request, request_id, prompt, params)
             out_q: asyncio.Queue = asyncio.Queue()
             text = RequestText(self.engine.tokenizer, req.prompt_token_ids, params)

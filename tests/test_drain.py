@@ -43,11 +43,15 @@ def stream_completion(url: str, max_tokens: int, results: list, started: threadi
         results.append((finish, done, repr(e)))
 
 
-def waiting(url: str) -> float:
+def gauge(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("vllm:num_requests_waiting{"):
+        if line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def waiting(url: str) -> float:
+    return gauge(url, "vllm:num_requests_waiting")
 
 
 def start_streams(url: str, count: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
@@ -118,6 +122,9 @@ def test_second_signal_exits_at_once(make_server):
 def test_full_queue_answers_429_with_retry_after_and_keeps_serving(make_server):
     srv = make_server("--max-num-seqs", "1", "--max-waiting-requests", "2")
     results, threads = start_streams(srv.url, 1, 400)  # it runs (max-num-seqs 1; 400 tokens take seconds)
+    deadline = time.monotonic() + 30  # running before the others arrive, or it would still count as waiting
+    while time.monotonic() < deadline and gauge(srv.url, "vllm:num_requests_running") < 1:
+        time.sleep(0.02)
     for _ in range(3):  # two wait, the third finds the queue full
         t = threading.Thread(target=stream_completion, args=(srv.url, 400, results))
         t.start()

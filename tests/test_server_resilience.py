@@ -268,3 +268,40 @@ def test_logprob_token_strings_are_decoded_on_the_tokenizer_thread(tiny_dir, mon
     assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and c["token"] for c in content)
     assert plain.status_code == 200 and '"top_logprobs"' in plain.text
     assert threads and all(name.startswith("tokenizer") for name in threads), threads
+
+
+def test_a_request_being_queued_counts_once_toward_the_waiting_limit(tiny_dir):
+    """The API handler's admission slot (enter_queue) becomes its engine request's (add_request(reserved=True)):
+    while its prompt tokenizes it counts once. It used to count twice, so a burst near --max-waiting-requests got a
+    429 early (tests/test_drain.py's full-queue test flaked on it)."""
+    from pagekube.engine import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir)))
+    tokenizing, release = threading.Event(), threading.Event()
+    prepare = engine.prepare_request
+
+    def slow_prepare(*args):
+        tokenizing.set()
+        release.wait(10)
+        return prepare(*args)
+
+    engine.prepare_request = slow_prepare
+    eng = AsyncEngine(engine)
+
+    async def scenario() -> tuple[int, list]:
+        eng.reserve()  # what the handler's admission does
+        task = asyncio.ensure_future(eng.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True),
+                                                     reserved=True))
+        while not tokenizing.is_set():
+            await asyncio.sleep(0.01)
+        counted = eng.num_waiting()
+        release.set()
+        outputs = [out async for out in await task]
+        return counted, outputs
+
+    try:
+        counted, outputs = asyncio.run(scenario())
+        assert counted == 1 and outputs[-1].finished
+        assert eng.num_waiting() == 0  # and nothing is left counted once it ran
+    finally:
+        eng.shutdown()

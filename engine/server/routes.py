@@ -118,9 +118,11 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     try:
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         params = build_params(body, max_tokens, body.logprobs)
-        streams = await start_streams(eng, body.prompts(), params, rid, body)
-    finally:
-        eng.release()  # its requests count as waiting on their own now (or it failed)
+        prompts = body.prompts()  # at least one: [] is one empty prompt, which the engine refuses
+    except BaseException:
+        eng.release()
+        raise
+    streams = await start_streams(eng, prompts, params, rid, body)  # takes the admission slot over
     if body.stream:
         return sse(completion_chunks(state, body, rid, streams), streams)
     finals = await collect(streams, request)
@@ -141,9 +143,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         ids, params, reply = await chat_request(state, eng, body)
-        streams = await start_streams(eng, [ids], params, rid, body)
-    finally:
-        eng.release()  # its request counts as waiting on its own now (or it failed)
+    except BaseException:
+        eng.release()
+        raise
+    streams = await start_streams(eng, [ids], params, rid, body)  # takes the admission slot over
     top = (body.top_logprobs or 0) if body.logprobs else None
     if body.stream:
         return sse(chat_chunks(state, body, rid, streams[0], reply), streams)
@@ -185,7 +188,8 @@ def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
 
 def enter_queue(state: ServerState, eng):
     """Drain and queue-length admission, for generation and embeddings alike; the request counts as waiting from
-    here (`reserve`): its handler releases it once its work is queued in the engine."""
+    here (`reserve`): its first engine request takes that slot over (generation), or its handler releases it once
+    its work is queued (embeddings)."""
     if state.draining:
         raise APIError(503, "the server is draining (shutting down); retry on another replica", code="draining",
                        retry_after=1)
@@ -230,11 +234,12 @@ def build_params(body: SamplingFields, max_tokens: int | None, logprobs: int | N
 
 async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str, body: SamplingFields) -> list[RequestStream]:
     """One engine request per prompt, with ids derived from the API request's (`rid`, or `rid-i` for several),
-    so the engine's per-request log lines name what the client saw."""
+    so the engine's per-request log lines name what the client saw. The API request's admission slot (enter_queue)
+    becomes its first engine request's: a request waiting to be queued is counted once, never twice."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
-            streams.append(await eng.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}"))
+            streams.append(await eng.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}", reserved=i == 0))
     except RequestRejected as e:
         for s in streams:
             s.engine.abort(s.request_id)
