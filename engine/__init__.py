@@ -1,6 +1,7 @@
 """pagekube serving engine: paged KV cache, continuous batching, Llama-family models."""
 
 from pagekube.engine.config import EngineConfig
+from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.outputs import CompletionOutput, RequestOutput
 from pagekube.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -17,4 +18,5 @@ def __getattr__(name):  # LLM and LLMEngine pull in torch: import them only when
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]

@@ -15,16 +15,18 @@ SHORT_FLAGS = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"
 
 
 def _flag_type(annotation):
-    """(type, choices) for a field: `int | None` -> int; `Literal["a", "b"]` -> str with choices; `Literal[8, 16]`
-    -> int with choices."""
+    """(type, choices, nargs) for a field: `int | None` -> int; `Literal["a", "b"]` -> str with choices;
+    `Literal[8, 16]` -> int with choices; a model -> a JSON string; a list -> one or more strings."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     base = annotation if typing.get_origin(annotation) is typing.Literal else args[0]
     if typing.get_origin(base) is typing.Literal:
         choices = list(typing.get_args(base))
-        return type(choices[0]), choices
+        return type(choices[0]), choices, None
+    if typing.get_origin(base) is list:
+        return str, None, "+"  # vLLM's --lora-modules a=PATH b=PATH, parsed by the field's validator
     if isinstance(base, type) and issubclass(base, BaseModel):
-        return str, None  # a JSON string (vLLM's --speculative-config), parsed by the field's validator
-    return base, None
+        return str, None, None  # a JSON string (vLLM's --speculative-config), parsed by the field's validator
+    return base, None, None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,12 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "model":
             continue
         flags = ["--" + name.replace("_", "-"), *SHORT_FLAGS.get(name, ())]
-        typ, choices = _flag_type(field.annotation)
+        typ, choices, nargs = _flag_type(field.annotation)
         if typ is bool:
             serve.add_argument(*flags, action=argparse.BooleanOptionalAction, default=field.default, help=field.description)
         else:
             serve.add_argument(*flags, type=typ, choices=choices, default=field.default, help=field.description,
-                               metavar=None if choices else name.upper())
+                               metavar=None if choices else name.upper(), nargs=nargs)
     return parser
 
 

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagekube.engine.lora.modules import LoRAModulePath, parse_lora_modules
 from pagekube.engine.pooling.pooler_config import PoolerConfig
 from pagekube.engine.spec_decode.speculative import SpeculativeConfig
 
@@ -58,6 +59,15 @@ class EngineConfig(BaseModel):
     pooler_config: PoolerConfig | None = Field(
         None, description='How the pooling runner makes one vector, as JSON: {"pooling_type": "MEAN", "normalize": '
                           'true} (CLS, MEAN or LAST; default: from the model directory)')
+    enable_lora: bool = Field(False, description="Serve LoRA adapters over the base model: --lora-modules, the "
+                              "request's model naming an adapter, runtime loading")
+    lora_modules: list[LoRAModulePath] | None = Field(
+        None, description='Adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
+                          '"base_model_name": ...}; several, space-separated')
+    max_loras: int = Field(1, ge=1, description="Adapters one step may use (slots in every layer)")
+    max_lora_rank: int = Field(16, ge=1, description="Largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters whose weights stay in host memory (LRU; "
+                                      "default: max_loras); others are read again when used")
     drain_timeout: float = Field(120.0, ge=0, description="Seconds to finish accepted requests after SIGTERM before aborting them")
     # vLLM flags users paste from vLLM's docs: accepted; where they mean nothing here, one log line says so.
     swap_space: float = Field(4, ge=0, description="vLLM's CPU swap space (GiB); unused: preemption recomputes, as in vLLM v1")
@@ -78,6 +88,24 @@ class EngineConfig(BaseModel):
     @classmethod
     def _parse_pooler_config(cls, value):
         return PoolerConfig.parse(value) if value is not None else None
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value):
+        return parse_lora_modules(value) if value is not None else None
+
+    @model_validator(mode="after")
+    def _lora_settings(self) -> EngineConfig:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+        names = [m.name for m in self.lora_modules or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {names}")
+        return self
 
     @field_validator("enable_chunked_prefill")
     @classmethod

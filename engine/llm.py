@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from pagekube.engine.chat import chat_prompt_ids
 from pagekube.engine.config import EngineConfig
+from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagekube.engine.runner import load_engine
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -33,8 +34,11 @@ class LLM:
         self.engine.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. Prompts: strings, token-id lists or {"prompt_token_ids": [...]}."""
+                 use_tqdm: bool = False, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. Prompts: strings, token-id lists or {"prompt_token_ids": [...]}.
+        `lora_request`: the adapter every prompt runs with, or one per prompt (None: the base model); needs
+        LLM(..., enable_lora=True)."""
         self._require("generate", "generate")
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -42,14 +46,18 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        loras = list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 if isinstance(prompt, dict):
                     prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}))
+                self.engine.add_request(rid, prompt, p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY}),
+                                        lora)
                 ids.append(rid)
             with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
@@ -64,11 +72,12 @@ class LLM:
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:

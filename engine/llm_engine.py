@@ -17,6 +17,9 @@ from pagekube.engine.detokenizer import start_detokenizer
 from pagekube.engine.distributed.tensor_parallel import TPShard, unsupported
 from pagekube.engine.distributed.tp_workers import Workers, init_distributed
 from pagekube.engine.errors import RequestRejected
+from pagekube.engine.lora.adapter import AdapterError
+from pagekube.engine.lora.manager import LoRAManager
+from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.model.model_files import BUNDLED_NAME, resolve_model_dir
 from pagekube.engine.model.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
 from pagekube.engine.output_processor import OutputProcessor
@@ -85,7 +88,8 @@ class LLMEngine:
             log.info("speculative decoding: %s, %d tokens per step", self.speculative.method,
                      self.speculative.num_speculative_tokens)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_loras if config.enable_lora else None)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
@@ -96,10 +100,28 @@ class LLMEngine:
                                        self.sampler, self.stat_listeners)
         self.served_model_name = config.served_model_name or (
             self.model_dir.name if config.model else BUNDLED_NAME)
+        self.lora: LoRAManager | None = None
+        self.lora_errors: dict[str, str] = {}  # --lora-modules that could not be served, and why
+        if config.enable_lora:
+            self._start_lora()
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MB), device %s, dtype %s, attention %s",
                  self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
                  self.runner.num_blocks * self.runner.bytes_per_block / 1e6, self.runner.device,
                  str(self.runner.dtype).removeprefix("torch."), self.runner.backend.name)
+
+    def _start_lora(self) -> None:
+        """Adapter slots in the model, and the --lora-modules: one that cannot be served is logged and left out,
+        and the engine serves the others (a bad adapter must not take the good ones down)."""
+        c = self.config
+        self.runner.enable_lora(c.max_loras, c.max_lora_rank)
+        self.lora = LoRAManager(self.runner.model, c.max_lora_rank, c.max_cpu_loras or c.max_loras,
+                                self.runner.dtype, self.served_model_name)
+        for module in c.lora_modules or ():
+            try:
+                self.lora.add(self.lora.new_request(module.name, module.path))
+            except AdapterError as e:
+                self.lora_errors[module.name] = str(e)
+                log.error({"msg": "LoRA adapter not served", "adapter": module.name, "error": str(e)})
 
     def _start_tensor_parallel(self):
         size = self.config.tensor_parallel_size
@@ -175,15 +197,27 @@ class LLMEngine:
         return ids
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> Request:
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
-        req = self.prepare_request(request_id, prompt, params)
+        req = self.prepare_request(request_id, prompt, params, lora_request)
         self.enqueue(req)
         return req
 
-    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Tokenize and validate; touches no engine state, so any thread may call it."""
+    def prepare_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                        lora_request: LoRARequest | None = None) -> Request:
+        """Tokenize and validate; touches no engine state, so any thread may call it. `lora_request`: the adapter
+        it runs with (its weights are read here the first time)."""
+        lora = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise RequestRejected(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
+                                      "--enable-lora", "model")
+            try:
+                lora = self.lora.weights(lora_request)
+            except AdapterError as e:
+                raise RequestRejected(str(e), "model") from e
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -208,7 +242,7 @@ class LLMEngine:
         if need > self.block_manager.num_blocks:
             raise RequestRejected(f"prompt + max_tokens needs {need} KV-cache blocks but the cache has only "
                                   f"{self.block_manager.num_blocks} (kv_cache_memory)", "max_tokens")
-        req = Request(request_id, text, token_ids, params, max_tokens)
+        req = Request(request_id, text, token_ids, params, max_tokens, lora)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
         for seq in req.seqs:
             if self.outputs.inline_text:  # the server makes text on its detokenizer thread (text_outputs.py)

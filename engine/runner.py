@@ -22,6 +22,8 @@ def choose_runner(config: EngineConfig) -> Literal["generate", "pooling"]:
 def load_engine(config: EngineConfig):
     """The engine the config asks for, loaded: an LLMEngine or a PoolingEngine (both have `runner_type`)."""
     if choose_runner(config) == "pooling":
+        if config.enable_lora:
+            raise ValueError("--enable-lora: LoRA adapters are served by the generate runner, not pooling")
         from pagekube.engine.pooling.pooling_engine import PoolingEngine
 
         return PoolingEngine(config)

@@ -161,3 +161,24 @@ def test_a_mixed_step_sends_decode_rows_to_the_decode_kernel(dtype, monkeypatch)
     assert prefill_batches == [2]  # the two chunks only
     ref64 = paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, starts, ctx, dim**-0.5)
     assert rel_err(out, ref64) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_shrink_expand_matches_reference_over_mixed_segments(dtype):
+    """Segments of different lengths (one longer than a row block), two of them on one slot, base rows between
+    them untouched; widths not a power of two and output columns past one column block."""
+    from pagekube.kernels.reference import lora_shrink_expand_ref
+    from pagekube.kernels.triton_lora import lora_shrink_expand
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, k, n, width, slots = 41, 96, 150, 24, 3
+    x = torch.randn(tokens, k, generator=gen).to(dtype).to(DEVICE)
+    y = torch.randn(tokens, n, generator=gen).to(dtype).to(DEVICE)
+    a = torch.randn(slots, width, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(slots, n, width, generator=gen).to(dtype).to(DEVICE)
+    segments = torch.tensor([[0, 3, 2], [5, 20, 0], [25, 1, 2], [30, 11, 1]], dtype=torch.int32, device=DEVICE)
+    ref = lora_shrink_expand_ref(x, y.clone(), a, b, segments)
+    out = lora_shrink_expand(x, y.clone(), a, b, segments, max_segment=20)
+    assert torch.equal(out[3:5], y[3:5]) and torch.equal(out[26:30], y[26:30])  # base rows: as they were
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out - y, ref - y) < TOL[dtype] * 4  # the LoRA term itself, not only the sum

@@ -39,8 +39,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int | None = None):
+        """`max_loras`: distinct adapters the running sequences may use (--max-loras; None: no adapters)."""
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -80,8 +83,13 @@ class Scheduler:
                 i += 1
 
         seats = len(self.running) + sum(pending_forks(s) for s in self.running)
-        while not batch.num_preempted and self.waiting and budget > 0:
-            seq = self.waiting[0]
+        adapters = {s.lora_id for s in self.running} - {0}
+        w = 0  # a sequence whose adapter has no slot left waits; the ones behind it may go (vLLM's rule)
+        while not batch.num_preempted and w < len(self.waiting) and budget > 0:
+            seq = self.waiting[w]
+            if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= (self.max_loras or 0):
+                w += 1
+                continue
             if seats + 1 + pending_forks(seq) > self.max_num_seqs:
                 break
             cached, hashes = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else ([], [])
@@ -93,7 +101,9 @@ class Scheduler:
             if not seq.admitted:  # cached tokens are the prompt's hits at first admission, not a recompute's
                 seq.admitted = True
                 seq.num_cached_tokens = min(len(cached) * bm.block_size, seq.num_prompt_tokens)
-            self.waiting.popleft()
+            del self.waiting[w]
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats += 1 + pending_forks(seq)

@@ -6,8 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagekube.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagekube.engine.lora.adapter import LoRAAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -69,7 +73,13 @@ class Sequence:
 
     @property
     def cache_extra_keys(self) -> tuple:
-        return ()
+        """What besides the tokens decides a block's KV: the adapter (two adapters never share a block)."""
+        lora = self.request.lora
+        return () if lora is None else ("lora", lora.id)
+
+    @property
+    def lora_id(self) -> int:
+        return 0 if self.request.lora is None else self.request.lora.id
 
     def __repr__(self) -> str:
         return f"Sequence({self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"
@@ -87,12 +97,13 @@ class RequestMetrics:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int):
+                 max_tokens: int, lora: LoRAAdapter | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens  # resolved: params.max_tokens or what max_model_len leaves
+        self.lora = lora  # the adapter it runs with (its weights stay alive while it runs, even if unloaded)
         self.metrics = RequestMetrics()
         self.seqs = [Sequence(self, i) for i in range(params.n)]
         for s in self.seqs[1:]:

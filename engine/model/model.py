@@ -82,13 +82,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear through kernels.cpu_ops (AMX or small-batch kernels on CPUs that have them). `q4`: the same weights
-    in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` by those kernels."""
+    in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` by those kernels.
+    `lora`: its adapter slots with --enable-lora (engine/lora/slots.py), added to the base output."""
 
     q4 = None
+    lora = None
     kernels: CpuKernels = NO_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.matmul(x, self.weight, self.bias, self.q4)
+        y = self.kernels.matmul(x, self.weight, self.bias, self.q4)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 def fused_linear(in_features: int, output_sizes: list[int], bias: bool) -> Linear:

@@ -75,6 +75,7 @@ class ModelRunner:
         self.backend.kernels = self.kernels
         if self.device.type == "cpu":
             log.info({"msg": "CPU kernels", "model": str(model_dir), "kernels": self.kernels.names or ["torch"]})
+        self.lora = None  # LoRASlots once enable_lora is called
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -87,6 +88,11 @@ class ModelRunner:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
             num_blocks = int(agreed)
         self.allocate_kv_pool(num_blocks)
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        from pagekube.engine.lora.slots import LoRASlots
+
+        self.lora = LoRASlots(self.model, max_loras, max_rank)
 
     def kernel_report(self) -> dict[str, str]:
         """Which kernels this model runs (logged at start, on /version and as pagekube:kernels_info)."""
@@ -150,13 +156,17 @@ class ModelRunner:
         next), the indices of those sequences in the batch, and each one's first logits row. A sequence with
         draft tokens gets a row per draft plus one (the target's verdict on each, then the bonus token)."""
         items, sample_idx, first_rows, rows = [], [], [], 0
+        slot_of = {}
+        if self.lora is not None:
+            slot_of = self.lora.assign({s.request.lora.id: s.request.lora for s in batch.seqs if s.request.lora})
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start, drafts = seq.num_computed_tokens, seq.spec_tokens
             real = n - len(drafts)
             ends = start + real == seq.num_tokens
             num_logits = (1 + len(drafts)) if ends else 0
             prompt_rows = min(n, max(0, seq.num_prompt_tokens - start))
-            items.append((seq.block_table, start, seq.token_ids[start : start + real] + drafts, num_logits, prompt_rows))
+            items.append((seq.block_table, start, seq.token_ids[start : start + real] + drafts, num_logits, prompt_rows,
+                          slot_of.get(seq.lora_id, -1)))
             if ends:
                 sample_idx.append(i)
                 first_rows.append(rows)
@@ -164,15 +174,17 @@ class ModelRunner:
         return self.forward(items, batch.blocks_to_copy), sample_idx, first_rows
 
     def forward(self, items: list[tuple], copies: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """One forward over (block_table, start position, tokens, logits wanted[, prompt rows]) items: each item's
-        tokens take positions start.. and their KV slots in its blocks; logits come back for each item's last
-        `logits wanted` tokens, in item order; the first `prompt rows` tokens are prompt (the rest generated; without
-        it, one token is a decode and more are prompt). Block copies (copy-on-write) are applied first."""
+        """One forward over (block_table, start position, tokens, logits wanted[, prompt rows[, LoRA slot]]) items:
+        each item's tokens take positions start.. and their KV slots in its blocks; logits come back for each item's
+        last `logits wanted` tokens, in item order; the first `prompt rows` tokens are prompt (the rest generated;
+        without it, one token is a decode and more are prompt); the adapter slot its rows use (-1 or none: the base
+        model). Block copies (copy-on-write) are applied first."""
         bs = self.block_size
         tokens, positions, slots, starts, ctx_lens, logit_rows, prompt_rows = [], [], [], [0], [], [], []
+        lora_slots = []
         max_blocks = max([1] + [len(table) for table, *_ in items])
         tables = []
-        for table, start, toks, num_logits, *prompt in items:
+        for table, start, toks, num_logits, *extra in items:
             n = len(toks)
             tokens.extend(toks)
             pos = range(start, start + n)
@@ -183,10 +195,12 @@ class ModelRunner:
             tables.extend(table)
             tables.extend([0] * (max_blocks - len(table)))
             logit_rows.extend(range(starts[-1] - num_logits, starts[-1]))
-            prompt_rows.append(prompt[0] if prompt else (0 if n == 1 else n))
+            prompt_rows.append(extra[0] if extra else (0 if n == 1 else n))
+            lora_slots.append(extra[1] if len(extra) > 1 else -1)
         header = [FORWARD, len(items), len(tokens), max_blocks, len(logit_rows), len(copies)]
         payload = torch.tensor([*tokens, *positions, *slots, *starts, *ctx_lens, *tables, *logit_rows,
-                                *(s for s, _ in copies), *(d for _, d in copies), *prompt_rows], dtype=torch.long)
+                                *(s for s, _ in copies), *(d for _, d in copies), *prompt_rows, *lora_slots],
+                               dtype=torch.long)
         if self.shard.size > 1:
             dist.broadcast(torch.tensor(header), src=0, group=self.control)
             dist.broadcast(payload, src=0, group=self.control)
@@ -201,7 +215,7 @@ class ModelRunner:
             if header[0] == STOP:
                 return
             _, items, tokens, max_blocks, logits, copies = header
-            payload = torch.empty(3 * tokens + 3 * items + 1 + items * max_blocks + logits + 2 * copies,
+            payload = torch.empty(3 * tokens + 4 * items + 1 + items * max_blocks + logits + 2 * copies,
                                   dtype=torch.long)
             dist.broadcast(payload, src=0, group=self.control)
             self._run(header, payload)
@@ -213,9 +227,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, header: list[int], payload: torch.Tensor) -> torch.Tensor | None:
         _, n_items, n_tokens, max_blocks, n_logits, n_copies = header
-        tokens, positions, slots, starts, ctx_lens, tables, logit_rows, src, dst, prompt_rows = payload.split(
-            [n_tokens, n_tokens, n_tokens, n_items + 1, n_items, n_items * max_blocks, n_logits, n_copies, n_copies,
-             n_items])
+        tokens, positions, slots, starts, ctx_lens, tables, logit_rows, src, dst, prompt_rows, lora_slots = (
+            payload.split([n_tokens, n_tokens, n_tokens, n_items + 1, n_items, n_items * max_blocks, n_logits, n_copies,
+                           n_copies, n_items, n_items]))
         to_dev = self._to_device
         if n_copies:
             self._copy_blocks(to_dev(src), to_dev(dst))
@@ -229,7 +243,16 @@ class ModelRunner:
             context_lens_list=ctx_list,
             prompt_rows=prompt_rows.tolist(),
         )
-        hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
+        if self.lora is None:
+            hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
+            return self.model.compute_logits(hidden[to_dev(logit_rows)])
+        from pagekube.engine.lora.slots import LoRAStep
+
+        self.lora.step = LoRAStep.of(starts_list, lora_slots.tolist(), self.device)
+        try:
+            hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
+        finally:
+            self.lora.step = LoRAStep()
         return self.model.compute_logits(hidden[to_dev(logit_rows)])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

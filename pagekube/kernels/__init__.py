@@ -6,6 +6,6 @@ head_dim] with `query_start_loc` [num_seqs + 1] and `context_lens` [num_seqs] (t
 the new ones included). Queries are the last tokens of their sequence and attend causally.
 """
 
-from pagekube.kernels.reference import paged_attention_ref, write_kv_cache_ref
+from pagekube.kernels.reference import lora_shrink_expand_ref, paged_attention_ref, write_kv_cache_ref
 
-__all__ = ["paged_attention_ref", "write_kv_cache_ref"]
+__all__ = ["lora_shrink_expand_ref", "paged_attention_ref", "write_kv_cache_ref"]

@@ -50,3 +50,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[s:e] = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                                   enable_gqa=True)[0].transpose(0, 1)
     return out
+
+
+def lora_shrink_expand_ref(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           segments: torch.Tensor) -> torch.Tensor:
+    """Batched LoRA over segments (start row, rows, slot): y[rows] += (x[rows] @ a[slot].T) @ b[slot].T."""
+    for start, rows, slot in segments.tolist():
+        s = slice(start, start + rows)
+        y[s] += ((x[s].float() @ a[slot].float().T) @ b[slot].float().T).to(y.dtype)
+    return y
