@@ -22,6 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin 
 from typing import TYPE_CHECKING, TypeVar
 
 from pagekube.engine.errors import EngineDeadError, WorkerDied
+from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.outputs import RequestOutput
 from pagekube.engine.sampling_params import SamplingParams
 from pagekube.engine.text_outputs import RequestText
@@ -135,7 +136,7 @@ class AsyncEngine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          reserved: bool = False) -> RequestStream:
+                          reserved: bool = False, lora_request: LoRARequest | None = None) -> RequestStream:
         """Tokenize, validate and queue a request. Raises RequestRejected (bad request) before anything is queued.
         `reserved`: the caller's admission slot (`reserve`) becomes this request's, so it is never counted twice."""
         request_id = request_id or uuid.uuid4().hex
@@ -143,7 +144,7 @@ class AsyncEngine:
             self.reserve()  # released by the loop thread once the request is in the scheduler (or dropped)
         try:
             self._check_alive()
-            req = await self.run_tokenizer(self.engine.prepare_request, request_id, prompt, params)
+            req = await self.run_tokenizer(self.engine.prepare_request, request_id, prompt, params, lora_request)
             out_q: asyncio.Queue = asyncio.Queue()
             text = RequestText(self.engine.tokenizer, req.prompt_token_ids, params)
             with self._lock:

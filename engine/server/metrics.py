@@ -37,7 +37,7 @@ class EngineMetrics:
     """Implements the engine's StatListener; gauges are refreshed from engine state on every iteration."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, max_model_len: int = 100_000,
-                 cache_config: dict | None = None, spec_stats=None):
+                 cache_config: dict | None = None, spec_stats=None, max_loras: int | None = None):
         self.registry = registry or CollectorRegistry()
         r, label, values = self.registry, ["model_name", "engine"], (model_name, ENGINE_INDEX)
         self.model_name = model_name
@@ -99,6 +99,8 @@ class EngineMetrics:
             self.spec_per_pos = [per_pos.labels(*values, str(i)) for i in range(len(spec_stats.accepted_per_pos))]
             self._spec_seen = (0, 0, 0, [0] * len(spec_stats.accepted_per_pos))
 
+        self.lora = None if max_loras is None else LoRAMetrics(r, label, values, max_loras)
+
     # ---- StatListener ---------------------------------------------------------------------------------------
     def kernels_info(self, report: dict[str, str]) -> None:
         self._kernels.labels(*self._label_values, report["device"], report["dtype"], report["attention"],
@@ -123,6 +125,8 @@ class EngineMetrics:
         self._cache_seen = (q, h)
         if self.spec_stats is not None:
             self._refresh_spec()
+        if self.lora is not None:
+            self.lora.refresh(engine)
 
     def _refresh_spec(self) -> None:
         st, (drafts, tokens, accepted, per_pos) = self.spec_stats, self._spec_seen
@@ -173,3 +177,39 @@ class EngineMetrics:
         self.req_max_tokens.observe(req.max_tokens)
         self.req_n.observe(req.params.n)
         self.success.labels(self.model_name, ENGINE_INDEX, req.finish_reason or "abort").inc()
+
+
+class LoRAMetrics:
+    """vLLM's `vllm:lora_requests_info` (the adapters running and waiting, comma-joined, as labels; its value the
+    time of the update), which the Gateway API Inference Extension's LoRA-affinity scorer reads, and
+    `pagekube:lora_requests{adapter,state}`: requests per adapter, which a comma-joined label cannot count. vLLM keeps
+    every label combination it ever set; here the previous one is removed, so the info gauge has one series."""
+
+    def __init__(self, registry, label: list[str], values: tuple, max_loras: int):
+        self.info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests",
+                          ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry)
+        self.requests = Gauge("pagekube:lora_requests", "Requests per LoRA adapter, running or waiting",
+                              [*label, "adapter", "state"], registry=registry)
+        self.max_lora, self.values = str(max_loras), values
+        self._info_labels: tuple | None = None
+        self._series: set[tuple[str, str]] = set()
+
+    def refresh(self, engine) -> None:
+        counts: dict[tuple[str, str], set[str]] = {}
+        for state, seqs in (("running", engine.scheduler.running), ("waiting", engine.scheduler.waiting)):
+            for seq in seqs:
+                if seq.request.lora is not None:
+                    counts.setdefault((seq.request.lora.name, state), set()).add(seq.request.request_id)
+        names = {a.lora_name for a in engine.lora.names()} if engine.lora is not None else set()
+        series = {(n, st) for n in names for st in ("running", "waiting")} | set(counts)
+        for gone in self._series - series:
+            self.requests.remove(*self.values, *gone)
+        for key in series:
+            self.requests.labels(*self.values, *key).set(len(counts.get(key, ())))
+        self._series = series
+        labels = (self.max_lora, ",".join(sorted(n for n, st in counts if st == "waiting")),
+                  ",".join(sorted(n for n, st in counts if st == "running")))
+        if self._info_labels not in (None, labels):
+            self.info.remove(*self._info_labels)
+        self._info_labels = labels
+        self.info.labels(*labels).set_to_current_time()

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagekube.engine.lora.names import check_adapter_name
 from pagekube.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
@@ -284,6 +285,24 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str
+
+    @field_validator("lora_name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return check_adapter_name(value)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
 
 
 class EmbeddingRequest(BaseModel):

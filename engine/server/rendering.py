@@ -118,6 +118,11 @@ class Usage:
                 "total_tokens": self.prompt + self.completion, "prompt_tokens_details": {"cached_tokens": self.cached}}
 
 
+def served_name(state, body) -> str:
+    """The name responses carry: the LoRA adapter the request named, or the base model's."""
+    return body.model or state.model_name
+
+
 async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -> AsyncIterator[dict]:
     """Each engine output is a delta: new text, new token ids, new logprobs, a finish reason reported once."""
     eng, created, counts, echoed = state.engine, int(time.time()), Usage(), set()
@@ -128,14 +133,15 @@ async def completion_chunks(state, body: CompletionRequest, rid: str, streams) -
             if body.echo and (i, o.index) not in echoed:  # the prompt goes first, once per choice
                 echoed.add((i, o.index))
                 text = prompt_text(eng, out) + text
-            yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+            yield {"id": rid, "object": "text_completion", "created": created, "model": served_name(state, body),
                    "choices": [{"index": i * body.n + o.index, "text": text, "finish_reason": o.finish_reason,
                                 "stop_reason": o.stop_reason,
                                 "logprobs": await completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None}]}
         if out.finished:
             counts.add_request(out)
     if body.stream_options and body.stream_options.include_usage:
-        yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name, "choices": [],
+        yield {"id": rid, "object": "text_completion", "created": created, "model": served_name(state, body),
+               "choices": [],
                "usage": counts.as_dict()}
 
 
@@ -145,7 +151,7 @@ async def chat_chunks(state, body: ChatCompletionRequest, rid: str, stream: Requ
     replies = {i: reply.fresh() for i in range(body.n)} if reply is not None else None
 
     def chunk(choices):
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served_name(state, body),
                 "choices": choices}
 
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

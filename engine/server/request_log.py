@@ -23,6 +23,7 @@ class RequestLogger:
     def on_request_finished(self, req: Request) -> None:
         m = req.metrics
         record = {"event": "request_finished", "id": req.request_id, "model": self.model_name,
+                  **({"lora_adapter": req.lora.name} if req.lora is not None else {}),
                   "finish_reason": [s.finish_reason for s in req.seqs] if len(req.seqs) > 1 else req.finish_reason,
                   "prompt_tokens": len(req.prompt_token_ids),
                   "output_tokens": sum(s.num_output_tokens for s in req.seqs),

@@ -3,12 +3,14 @@ admission. Responses are rendered by engine/server/rendering.py."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import os
 import time
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -16,14 +18,18 @@ import pagekube
 from pagekube.engine.async_engine import AsyncEngine, RequestStream
 from pagekube.engine.chat import chat_prompt_ids
 from pagekube.engine.errors import EngineDeadError, RequestRejected
+from pagekube.engine.lora.adapter import AdapterError
+from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.sampling_params import RequestOutputKind
 from pagekube.engine.server.errors import APIError, error_response
 from pagekube.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     SamplingFields,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagekube.engine.server.rendering import (
     Usage,
@@ -33,6 +39,7 @@ from pagekube.engine.server.rendering import (
     completion_chunks,
     completion_logprobs,
     prompt_text,
+    served_name,
     sse,
 )
 from pagekube.engine.server.state import ServerState
@@ -77,10 +84,15 @@ async def metrics(state: ServerState = Depends(server_state)):
 # ---- OpenAI API -------------------------------------------------------------------------------------------
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)):
+    """The base model, then each LoRA adapter with `parent` = the base model, as vLLM lists them."""
     eng = require_engine(state)
-    return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "pagekube",
-        "root": str(eng.engine.model_dir), "max_model_len": eng.engine.max_model_len}]}
+    card = {"object": "model", "created": state.created, "owned_by": "pagekube", "parent": None,
+            "max_model_len": eng.engine.max_model_len}
+    data = [{**card, "id": state.model_name, "root": str(eng.engine.model_dir)}]
+    lora = getattr(eng.engine, "lora", None)
+    for adapter in lora.names() if lora is not None else ():
+        data.append({**card, "id": adapter.lora_name, "root": adapter.lora_path, "parent": state.model_name})
+    return {"object": "list", "data": data}
 
 
 @router.post("/tokenize")
@@ -113,7 +125,7 @@ async def detokenize(body: DetokenizeRequest, state: ServerState = Depends(serve
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    eng = admit(state, body)
+    eng, lora = admit(state, body)
     rid = f"cmpl-{uuid.uuid4().hex}"
     try:
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
@@ -122,7 +134,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     except BaseException:
         eng.release()
         raise
-    streams = await start_streams(eng, prompts, params, rid, body)  # takes the admission slot over
+    streams = await start_streams(eng, prompts, params, rid, body, lora)  # takes the admission slot over
     if body.stream:
         return sse(completion_chunks(state, body, rid, streams), streams)
     finals = await collect(streams, request)
@@ -133,20 +145,20 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
             choices.append({"index": i * body.n + o.index, "text": prompt + o.text, "finish_reason": o.finish_reason,
                             "stop_reason": o.stop_reason,
                             "logprobs": await completion_logprobs(eng, o.token_ids, o.logprobs) if body.logprobs is not None else None})
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": served_name(state, body),
             "choices": choices, "usage": Usage.of(finals).as_dict()}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(server_state)):
-    eng = admit(state, body)
+    eng, lora = admit(state, body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         ids, params, reply = await chat_request(state, eng, body)
     except BaseException:
         eng.release()
         raise
-    streams = await start_streams(eng, [ids], params, rid, body)  # takes the admission slot over
+    streams = await start_streams(eng, [ids], params, rid, body, lora)  # takes the admission slot over
     top = (body.top_logprobs or 0) if body.logprobs else None
     if body.stream:
         return sse(chat_chunks(state, body, rid, streams[0], reply), streams)
@@ -158,8 +170,39 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
             message, finish = reply.fresh().message(o.text, o.finish_reason)
         choices.append({"index": o.index, "message": message, "finish_reason": finish, "stop_reason": o.stop_reason,
                         "logprobs": await chat_logprobs(eng, o.token_ids, o.logprobs, top or 0) if body.logprobs else None})
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_name(state, body),
             "choices": choices, "usage": Usage.of(finals).as_dict()}
+
+
+# ---- LoRA adapters at run time (vLLM's endpoints, behind its VLLM_ALLOW_RUNTIME_LORA_UPDATING switch) ----------
+def runtime_lora(state: ServerState):
+    if os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() not in ("1", "true"):
+        raise APIError(404, "runtime LoRA updating is off: start the server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True",
+                       code="not_found")
+    lora = getattr(require_engine(state).engine, "lora", None)
+    if lora is None:
+        raise APIError(400, "LoRA is not enabled: start the server with --enable-lora", code="invalid_request")
+    return lora
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, state: ServerState = Depends(server_state)):
+    """Read and check the adapter off the event loop, then serve it under its name (400 if it cannot serve)."""
+    lora = runtime_lora(state)
+    try:
+        await asyncio.to_thread(lora.add, lora.new_request(body.lora_name, body.lora_path))
+    except AdapterError as e:
+        raise APIError(400, str(e), param="lora_path", code="invalid_request") from e
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, state: ServerState = Depends(server_state)):
+    """New requests stop finding the adapter at once; requests already using it finish with it."""
+    if runtime_lora(state).remove(body.lora_name) is None:
+        raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                       code="not_found")
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 # ---- admission ------------------------------------------------------------------------------------------------
@@ -171,19 +214,26 @@ def require_engine(state: ServerState) -> AsyncEngine:
     return state.engine
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The request's `model`: the base model (None), one of its LoRA adapters, or a 404."""
+    if model is None or model == state.model_name:
+        return None
+    lora = getattr(state.engine.engine, "lora", None) if state.engine is not None else None
+    adapter = lora.resolve(model) if lora is not None else None
+    if adapter is None:
+        served = [state.model_name, *(a.lora_name for a in lora.names())] if lora is not None else [state.model_name]
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(map(repr, served))}",
                        param="model", code="model_not_found")
+    return adapter
 
 
-def admit(state: ServerState, body: SamplingFields) -> AsyncEngine:
+def admit(state: ServerState, body: SamplingFields) -> tuple[AsyncEngine, LoRARequest | None]:
     eng = require_engine(state)
-    check_model(state, body.model)
+    lora = check_model(state, body.model)
     if eng.engine.runner_type == "pooling":
         raise APIError(400, f"the model {state.model_name!r} is an embedding model (the pooling runner): it serves "
                             "/v1/embeddings, not completions", param="model", code="unsupported_model")
-    return enter_queue(state, eng)
+    return enter_queue(state, eng), lora
 
 
 def enter_queue(state: ServerState, eng):
@@ -232,14 +282,16 @@ def build_params(body: SamplingFields, max_tokens: int | None, logprobs: int | N
         raise APIError(400, f"{param + ': ' if param else ''}{err['msg']}", param=param, code="invalid_request") from e
 
 
-async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str, body: SamplingFields) -> list[RequestStream]:
+async def start_streams(eng: AsyncEngine, prompts: list, params, rid: str, body: SamplingFields,
+                        lora: LoRARequest | None = None) -> list[RequestStream]:
     """One engine request per prompt, with ids derived from the API request's (`rid`, or `rid-i` for several),
     so the engine's per-request log lines name what the client saw. The API request's admission slot (enter_queue)
     becomes its first engine request's: a request waiting to be queued is counted once, never twice."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
-            streams.append(await eng.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}", reserved=i == 0))
+            streams.append(await eng.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}", reserved=i == 0,
+                                                 lora_request=lora))
     except RequestRejected as e:
         for s in streams:
             s.engine.abort(s.request_id)

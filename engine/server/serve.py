@@ -78,7 +78,8 @@ async def _serve(config: EngineConfig) -> int:
     pooling = engine.runner_type == "pooling"
     state.metrics = EngineMetrics(engine.served_model_name, max_model_len=engine.max_model_len,
                                   cache_config=None if pooling else engine.cache_config(),
-                                  spec_stats=None if pooling else engine.spec_stats)
+                                  spec_stats=None if pooling else engine.spec_stats,
+                                  max_loras=config.max_loras if config.enable_lora else None)
     engine.stat_listeners.append(state.metrics)
     state.kernels = engine.kernel_report()
     state.metrics.kernels_info(state.kernels)
