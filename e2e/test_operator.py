@@ -214,8 +214,14 @@ def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, 
     ({"model": {"name": "m", "source": "gopher://x"}}, "spec.model.source in body should match"),
     ({"resources": {"gpu": 3}, "engine": {"tensorParallelSize": 2}}, "resources.gpu must be a multiple of engine.tensorParallelSize"),
     ({"engine": {"blockSize": 12}}, 'spec.engine.blockSize: Unsupported value: 12'),
-    ({"engine": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "the names models and dshm are the operator's own"),
+    ({"engine": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "the names models, dshm, adapters and adapter-claim-* are the operator's own"),
     ({"engine": {"volumeMounts": [{"name": "cache"}]}}, "spec.engine.volumeMounts[0].mountPath: Required value"),
+    ({"adapters": [{"name": "a", "source": "hf://o/a"}, {"name": "a", "source": "hf://o/b"}]},
+     "spec.adapters[1]: Duplicate value"),
+    ({"adapters": [{"name": "bad", "source": "hf://o/a"}]}, "an adapter cannot take the model's own name"),
+    ({"adapters": [{"name": "sql adapter", "source": "hf://o/a"}]}, "spec.adapters[0].name in body should match"),
+    ({"adapters": [{"name": "a", "source": "hf://o/a"}], "resources": {"gpu": 2}, "engine": {"tensorParallelSize": 2}},
+     "LoRA with engine.tensorParallelSize > 1 is not supported yet"),
 ])
 def test_invalid_manifests_are_refused_by_the_api_server(control_plane, spec, message):
     doc = yaml.safe_load(manifest("bad", "default"))

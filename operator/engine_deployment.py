@@ -7,6 +7,7 @@ import math
 from kubernetes.utils import parse_quantity
 
 from pagekube.operator import engine_flags, naming
+from pagekube.operator.adapters import adapter_volumes, lora_flags
 from pagekube.operator.availability import topology_spread
 from pagekube.operator.model_revision import DOWNLOAD_CONTAINER
 from pagekube.operator.placement import engine_placement
@@ -89,6 +90,7 @@ def engine_args(spec: LLMDeploymentSpec) -> list[str]:
         "tensor_parallel_size": e.tensor_parallel_size if e.tensor_parallel_size > 1 else None,
         "enable_prefix_caching": e.enable_prefix_caching,
         "drain_timeout": spec.drain.timeout_seconds,
+        **lora_flags(spec),
     }) + list(e.extra_args)
 
 
@@ -183,6 +185,11 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
     shm = {"medium": "Memory", **({"sizeLimit": e.shm_size} if e.shm_size else {})}
     volumes.append({"name": "dshm", "emptyDir": shm})  # NCCL and torch need a real /dev/shm
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    adapter_vols, adapter_mounts, adapter_inits = adapter_volumes(spec, e.image, _user_env(spec), _env_from(spec),
+                                                                  S3_IMAGE)
+    volumes += adapter_vols
+    mounts += adapter_mounts
+    init_containers += adapter_inits
     volumes += [v.model_dump(by_alias=True) for v in e.volumes]
     mounts += [m.model_dump(by_alias=True) for m in e.volume_mounts]
     container = {

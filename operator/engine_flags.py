@@ -37,8 +37,8 @@ BLOCK_SIZES: list[int] = SCHEMA["x-block-sizes-every-backend-runs"]
 
 
 def to_args(values: dict[str, Any]) -> list[str]:
-    """`pagekube serve` arguments for engine config values: `model` positional, booleans as --x / --no-x,
-    None left out. Raises KeyError for a name the engine has no flag for."""
+    """`pagekube serve` arguments for engine config values: `model` positional, booleans as --x / --no-x, lists as
+    one flag and its values, None left out. Raises KeyError for a name the engine has no flag for."""
     args = [str(values["model"])] if values.get("model") is not None else []
     for name, value in values.items():
         if name == "model" or value is None:
@@ -46,6 +46,8 @@ def to_args(values: dict[str, Any]) -> list[str]:
         flag = _prop(name)["x-flag"]
         if isinstance(value, bool):
             args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)]
         else:
             args += [flag, str(value)]
     return args

@@ -29,7 +29,8 @@ QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 SIZE = r"^[0-9]+[kKmMgG]?$"  # nginx size syntax (client_max_body_size)
 SOURCE = r"^(hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|file:///\S*)$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-RESERVED_VOLUMES = ("models", "dshm")  # the engine pod's own volumes
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"  # the engine's adapter names (engine/lora/names.py)
+RESERVED_VOLUMES = ("models", "dshm", "adapters")  # the engine pod's own volumes (and adapter-claim-*)
 
 
 class _Spec(BaseModel):
@@ -110,10 +111,19 @@ class ModelSpec(_Spec):
         return self
 
 
+class AdapterSpec(_Spec):
+    name: str = Field(pattern=ADAPTER_NAME, description="The name requests send as `model` to use the adapter")
+    source: str = Field(pattern=SOURCE, description="Where the PEFT adapter is: hf://org/repo, pvc://claim/path, "
+                        "s3://bucket/prefix or file:///path")
+    revision: str | None = Field(None, description="Hugging Face revision (branch, tag or commit) for hf:// sources")
+
+
 class EngineSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['models', 'dshm']))",
-        "message": "engine.volumes: the names models and dshm are the operator's own volumes"}]})
+        "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['models', 'dshm', 'adapters']) && "
+                "!v.name.startsWith('adapter-claim-'))",
+        "message": "engine.volumes: the names models, dshm, adapters and adapter-claim-* are the operator's own "
+                   "volumes"}]})
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over (--tensor-parallel-size)")
     # Defaults and ranges are the engine's own (engine_flags.json); block sizes are those every backend runs.
@@ -125,6 +135,10 @@ class EngineSpec(_Spec):
                                         ge=flags.bound("max_num_batched_tokens", "minimum"))
     block_size: Literal[tuple(flags.BLOCK_SIZES)] = flags.default("block_size")
     enable_prefix_caching: bool = flags.default("enable_prefix_caching")
+    max_loras: int | None = Field(None, ge=flags.bound("max_loras", "minimum"),
+                                  description="LoRA adapters one step may use (--max-loras; default: the engine's, 1)")
+    max_lora_rank: int | None = Field(None, ge=flags.bound("max_lora_rank", "minimum"),
+                                      description="Largest adapter rank accepted (--max-lora-rank; default: 16)")
     extra_args: list[str] = Field(default_factory=list, description="Appended to the `pagekube serve` command line")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables (Kubernetes EnvVar)")
     env_from: list[EnvFromSource] = Field(default_factory=list, description="ConfigMaps/Secrets as environment (envFrom)")
@@ -133,7 +147,8 @@ class EngineSpec(_Spec):
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Added to the engine pods")
     service_account_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     runtime_class_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-    volumes: list[Volume] = Field(default_factory=list, max_length=64, description="Extra pod volumes (not models, dshm)")
+    volumes: list[Volume] = Field(default_factory=list, max_length=64,
+                                  description="Extra pod volumes (not models, dshm, adapters, adapter-claim-*)")
     volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64,
                                              description="Extra mounts in the engine container")
     shm_size: str | None = Field(None, pattern=QUANTITY, description="sizeLimit of the memory-backed /dev/shm")
@@ -143,9 +158,10 @@ class EngineSpec(_Spec):
     @field_validator("volumes")
     @classmethod
     def _not_ours(cls, volumes: list[Volume]) -> list[Volume]:
-        taken = [v.name for v in volumes if v.name in RESERVED_VOLUMES]
+        taken = [v.name for v in volumes if v.name in RESERVED_VOLUMES or v.name.startswith("adapter-claim-")]
         if taken:
-            raise ValueError(f"volume names {sorted(RESERVED_VOLUMES)} are the operator's: rename {taken}")
+            raise ValueError(f"volume names {sorted(RESERVED_VOLUMES)} and adapter-claim-* are the operator's: "
+                             f"rename {taken}")
         return volumes
 
 
@@ -286,11 +302,22 @@ class LLMDeploymentSpec(_Spec):
                 {
                     "rule": "self.resources.gpu == 0 || self.resources.gpu % self.engine.tensorParallelSize == 0",
                     "message": "resources.gpu must be a multiple of engine.tensorParallelSize",
-                }
+                },
+                {
+                    "rule": "!has(self.adapters) || self.adapters.all(a, a.name != self.model.name)",
+                    "message": "adapters: an adapter cannot take the model's own name",
+                },
+                {
+                    "rule": "!has(self.adapters) || size(self.adapters) == 0 || self.engine.tensorParallelSize == 1",
+                    "message": "adapters: LoRA with engine.tensorParallelSize > 1 is not supported yet",
+                },
             ]
         }
     )
     model: ModelSpec
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list, max_length=64, description="LoRA adapters every replica serves over the model",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     engine: EngineSpec = Field(default_factory=EngineSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -308,3 +335,13 @@ class LLMDeploymentSpec(_Spec):
     drain: DrainSpec = Field(default_factory=DrainSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
 
+    @model_validator(mode="after")
+    def _adapters_fit(self) -> LLMDeploymentSpec:
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters: each name once (got {names})")
+        if self.model.name in names:
+            raise ValueError("adapters: an adapter cannot take the model's own name")
+        if names and self.engine.tensor_parallel_size > 1:
+            raise ValueError("adapters: LoRA with engine.tensorParallelSize > 1 is not supported yet")
+        return self

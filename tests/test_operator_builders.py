@@ -4,6 +4,7 @@ prometheus-operator CRDs), the NGINX config through a real `nginx -t`, and the s
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 import sys
@@ -223,6 +224,49 @@ def test_s3_source_syncs_in_an_aws_cli_init_container():
     assert init["args"] == ["s3", "sync", "s3://bucket/models/llama", "/models/model"]
     assert {"name": "AWS_REGION", "value": "eu-west-1"} in init["env"] and pod["volumes"][0]["emptyDir"] == {}
     assert pod["containers"][0]["args"][0] == "/models/model"
+
+
+def test_adapters_render_lora_flags_downloads_and_read_only_claims():
+    spec = spec_of(adapters=[{"name": "sql", "source": "hf://org/sql-lora", "revision": "v1"},
+                             {"name": "org/support", "source": "s3://bucket/adapters/support"},
+                             {"name": "legal", "source": "pvc://shared/adapters/legal"},
+                             {"name": "baked", "source": "file:///opt/adapters/baked"}],
+                   engine={"maxLoras": 3, "maxLoraRank": 64, "env": [{"name": "HF_TOKEN", "value": "t"}]})
+    args = engine_args(spec)
+    i = args.index("--lora-modules")
+    assert "--enable-lora" in args and args[args.index("--max-loras") + 1] == "3"
+    assert args[i + 1 : i + 5] == ["sql=/adapters/sql", "org/support=/adapters/org--support",
+                                   "legal=/adapter-claims/shared/adapters/legal", "baked=/opt/adapters/baked"]
+    pod = build_engine_deployment("m", "ns", spec)["spec"]["template"]["spec"]
+    model, hf, s3 = pod["initContainers"]
+    assert model["name"] == "model-download" and hf["command"][-3:] == ["org/sql-lora", "v1", "/adapters/sql"]
+    assert s3["args"] == ["s3", "sync", "s3://bucket/adapters/support", "/adapters/org--support"]
+    assert {"name": "HF_TOKEN", "value": "t"} in hf["env"] and {"name": "HF_TOKEN", "value": "t"} in s3["env"]
+    assert {"name": "adapter-claim-shared", "persistentVolumeClaim": {"claimName": "shared", "readOnly": True}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in mounts
+    assert {"name": "adapter-claim-shared", "mountPath": "/adapter-claims/shared", "readOnly": True} in mounts
+    assert "--enable-lora" not in engine_args(spec_of())  # no adapters: no LoRA
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"adapters": [{"name": "a", "source": "hf://o/a"}, {"name": "a", "source": "hf://o/b"}]}, "each name once"),
+    ({"adapters": [{"name": "m", "source": "hf://o/a"}]}, "cannot take the model's own name"),
+    ({"adapters": [{"name": "a b", "source": "hf://o/a"}]}, "should match pattern"),
+    ({"adapters": [{"name": "a", "source": "ftp://o/a"}]}, "should match pattern"),
+    ({"adapters": [{"name": "a", "source": "hf://o/a"}], "engine": {"tensorParallelSize": 2}}, "not supported yet"),
+    ({"engine": {"volumes": [{"name": "adapter-claim-x", "emptyDir": {}}]}}, "adapter-claim-* are the operator's"),
+])
+def test_adapters_that_cannot_serve_are_refused(overrides, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        spec_of(**overrides)
+
+
+def test_adapter_names_are_the_engines():
+    from pagekube.engine.lora.names import NAME
+    from pagekube.operator.spec import ADAPTER_NAME
+
+    assert NAME.pattern == ADAPTER_NAME
 
 
 def test_autoscaling_decides_who_owns_replicas():
