@@ -18,3 +18,20 @@ def test_no_top_level_package_shadows_an_installed_distribution():
     installed = importlib.metadata.packages_distributions()
     clashes = {name: installed[name] for name in ours - {"pagekube"} if name in installed}
     assert not clashes, f"top-level directories shadow installed modules: {clashes}"
+
+
+def test_the_repository_root_never_shadows_the_stdlib_operator():
+    """An interpreter started in the checkout, before its site imports run (`python -S`: how vLLM's engine process
+    and other tools' workers start), imports the stdlib's `operator`, not the checkout's operator/ folder."""
+    import subprocess
+    import sys
+
+    for code in ["import collections", "import operator; assert operator.eq(1, 1), operator.__file__"]:
+        r = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+def test_pagekube_operator_imports_from_the_checkout():
+    import pagekube.operator.engine_flags as flags
+
+    assert Path(flags.__file__).parent == Path(REPO) / "operator" and flags.SCHEMA["properties"]

@@ -1,1 +1,0 @@
-"""pagekube operator (kopf): reconciles LLMDeployment resources into Kubernetes objects. Imports no torch."""
