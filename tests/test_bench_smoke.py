@@ -99,3 +99,11 @@ def test_embeddings_benchmark_smoke():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| sentence-transformers", "| pagekube"))]
     assert len(rows) == 4 and all(float(r.split("|")[5]) >= 0.999 for r in rows), out.stdout
+
+
+def test_lora_benchmark_smoke():
+    out = subprocess.run([sys.executable, str(REPO / "bench/lora.py"), "--smoke"], capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| --enable-lora")]
+    assert len(rows) == 3 and all(line.count("%") == 2 for line in rows)

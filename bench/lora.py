@@ -1,0 +1,107 @@
+"""What multi-LoRA costs: decode tokens/s at batch 1 and 32 with 0, 1 and 4 distinct adapters in the batch
+(rank 16 on every projection), against the same batch on an engine without --enable-lora.
+
+    .venv/bin/python bench/lora.py            # the bundled model, dtype auto (bf16 where the CPU has AVX512_BF16)
+    .venv/bin/python bench/lora.py --smoke    # tiny sizes: the script still runs (tests/test_bench_smoke.py)
+
+Each row: one engine, a warm-up generate, then the best of `--reps` timed generates of `--batch` prompts, each
+`--output` tokens (ignore_eos); tokens/s = batch x output / seconds. Adapters are random (A, B ~ N(0, 0.02)) and
+written in PEFT's layout, so the numbers need no peft install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pagekube.engine import LLM, LoRARequest, SamplingParams
+from pagekube.engine.model.model_files import resolve_model_dir
+
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_adapter(out: Path, config, rank: int, seed: int) -> Path:
+    """A random rank-`rank` adapter on every projection of every layer, as PEFT saves one."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = config.hidden_size, config.intermediate_size
+    heads = config.num_attention_heads
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None) or h // heads)
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, inter),
+            "up_proj": (h, inter), "down_proj": (inter, h)}
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for proj, (d_in, d_out) in dims.items():
+            key = f"base_model.model.model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.02
+    out.mkdir(parents=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                        "target_modules": list(PROJECTIONS)}))
+    return out
+
+
+def tokens_per_second(llm: LLM, batch: int, prompt_len: int, output: int, loras: list, reps: int) -> float:
+    prompts = [[(7 * i + j) % 5000 + 100 for j in range(prompt_len)] for i in range(batch)]
+    per_prompt = [loras[i % len(loras)] for i in range(batch)] if loras else None
+    params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 lora_request=per_prompt[:2] if per_prompt else None)  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        llm.generate(prompts, params, lora_request=per_prompt)
+        best = min(best, time.perf_counter() - t)
+    return batch * output / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M)")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: check that it runs")
+    args = ap.parse_args()
+    if args.smoke:
+        args.batches, args.output, args.prompt, args.reps = "1,4", 4, 8, 1
+    model_dir = resolve_model_dir(args.model)
+    batches = [int(b) for b in args.batches.split(",")]
+    common = {"dtype": args.dtype, "kv_cache_memory": 256 * 1024**2, "max_num_seqs": max(batches)}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = LLM(str(model_dir), **common)
+        config = plain.engine.hf_config
+        adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", config, args.rank, i)))
+                    for i in range(4)]
+        for b in batches:
+            results[("no --enable-lora", b)] = tokens_per_second(plain, b, args.prompt, args.output, [], args.reps)
+        del plain
+        lora = LLM(str(model_dir), enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)
+        for n in (0, 1, 4):
+            for b in batches:
+                results[(f"--enable-lora, {n} adapters", b)] = tokens_per_second(
+                    lora, b, args.prompt, args.output, adapters[:n], args.reps)
+    print(f"model {model_dir.name}, dtype {args.dtype}, rank {args.rank}, prompt {args.prompt}, output {args.output}")
+    print("| engine | " + " | ".join(f"batch {b} tok/s | vs no LoRA" for b in batches) + " |")
+    print("|---|" + "---|---|" * len(batches))
+    for name in ["no --enable-lora"] + [f"--enable-lora, {n} adapters" for n in (0, 1, 4)]:
+        cells = []
+        for b in batches:
+            v, base = results[(name, b)], results[("no --enable-lora", b)]
+            cells.append(f"{v:.1f} | {100 * (v / base - 1):+.1f}%")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
