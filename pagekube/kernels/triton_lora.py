@@ -17,19 +17,24 @@ from pagekube.kernels.triton_attention import INTERPRETED
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, xa_ptr, seg_ptr, K, W, stride_xt, stride_as, stride_aw, stride_xat,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, W_PAD: tl.constexpr, IEEE: tl.constexpr,
-                   DOT_F32: tl.constexpr):
+def _segment_block(seg_ptr, BLOCK_M: tl.constexpr):
+    """This program's rows: block program_id(1) of segment program_id(0); `empty` past the segment's end."""
     seg = tl.program_id(0)
     mb = tl.program_id(1)
     start = tl.load(seg_ptr + seg * 3)
     rows = tl.load(seg_ptr + seg * 3 + 1)
     slot = tl.load(seg_ptr + seg * 3 + 2).to(tl.int64)
-    if mb * BLOCK_M >= rows:
-        return
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = offs_m < rows
-    t = (start + offs_m).to(tl.int64)
+    return (start + offs_m).to(tl.int64), offs_m < rows, slot, mb * BLOCK_M >= rows
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, xa_ptr, seg_ptr, K, W, stride_xt, stride_as, stride_aw, stride_xat,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, W_PAD: tl.constexpr, IEEE: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    t, mmask, slot, empty = _segment_block(seg_ptr, BLOCK_M)
+    if empty:
+        return
     w = tl.arange(0, W_PAD)
     acc = tl.zeros([BLOCK_M, W_PAD], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -49,18 +54,10 @@ def _shrink_kernel(x_ptr, a_ptr, xa_ptr, seg_ptr, K, W, stride_xt, stride_as, st
 @triton.jit
 def _expand_kernel(xa_ptr, b_ptr, y_ptr, seg_ptr, N, W, stride_xat, stride_bs, stride_bn, stride_yt,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr, IEEE: tl.constexpr):
-    seg = tl.program_id(0)
-    mb = tl.program_id(1)
-    nb = tl.program_id(2)
-    start = tl.load(seg_ptr + seg * 3)
-    rows = tl.load(seg_ptr + seg * 3 + 1)
-    slot = tl.load(seg_ptr + seg * 3 + 2).to(tl.int64)
-    if mb * BLOCK_M >= rows:
+    t, mmask, slot, empty = _segment_block(seg_ptr, BLOCK_M)
+    if empty:
         return
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = offs_m < rows
-    t = (start + offs_m).to(tl.int64)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     w = tl.arange(0, W_PAD)
     xa = tl.load(xa_ptr + t[:, None] * stride_xat + w[None, :], mask=mmask[:, None] & (w[None, :] < W), other=0.0)
     bb = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + w[None, :],
