@@ -99,8 +99,9 @@ def load_bert(hf_config, files, dtype: torch.dtype, device: torch.device) -> Ber
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model.load_state_dict(state, strict=True, assign=True)
+    # The op torch's own compiler fuses with; oneDNN has bf16 GEMMs only from AVX-512 on (an AVX2 CPU refuses it).
     fuse = (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # the op torch's own compiler fuses with
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     for layer in model.layers:
         layer.fuse_gelu = fuse and layer.gelu_algorithm is not None
     return model.to(device=device, dtype=dtype).eval()
