@@ -19,6 +19,7 @@ RESTRICTED = ("pod-security.kubernetes.io/enforce", "restricted")
 OPERATOR_IMAGE = ("localhost/pagekube-operator", "dev")
 ENGINE_IMAGE = "localhost/pagekube-engine:cpu"
 NGINX_IMAGE = "localhost/nginx:sid"
+LORA_ADAPTER_PATH = "adapters/sql"  # on the models claim: a PEFT LoRA adapter for the bundled model
 
 
 @pytest.fixture(scope="session")
@@ -54,14 +55,18 @@ def operator_release(node):
 
 @pytest.fixture(scope="session")
 def model_claim(node):
-    """PersistentVolumeClaim `models` holding the bundled model (converted to a Hugging Face folder) at smollm2/."""
+    """PersistentVolumeClaim `models` holding the bundled model (converted to a Hugging Face folder) at smollm2/,
+    and a random LoRA adapter for it (PEFT's format) at LORA_ADAPTER_PATH."""
     from pagekube.engine.model.model_files import resolve_model_dir
+    from tests.lora_adapters import write_adapter
 
     root = node.workdir / "models"
     shutil.copytree(resolve_model_dir(None), root / "smollm2")
-    for path in (root, root / "smollm2"):  # the engine runs as uid 1000; the cached conversion is root's, 0600
+    write_adapter(root / "smollm2", root / LORA_ADAPTER_PATH, ["q_proj", "v_proj"], r=8, seed=5)
+    folders = [root, root / "smollm2", root / "adapters", root / LORA_ADAPTER_PATH]
+    for path in folders:  # the engine runs as uid 1000; the cached conversion is root's, 0600
         path.chmod(0o755)
-    for f in (root / "smollm2").iterdir():
+    for f in [f for d in folders[1:] for f in d.iterdir() if f.is_file()]:
         f.chmod(0o644)
     node.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
         {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "models"},

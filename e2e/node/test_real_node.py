@@ -14,12 +14,13 @@ import time
 
 import pytest
 
-from e2e.node.conftest import ENGINE_IMAGE, NGINX_IMAGE, RESTRICTED
+from e2e.node.conftest import ENGINE_IMAGE, LORA_ADAPTER_PATH, NGINX_IMAGE, RESTRICTED
 from e2e.node.node import in_netns
 from e2e.waiting import wait_for
 from pagekube.kernels.cpu_ops import cpu_supports_bf16_dot
 
 NAME = "cpu"
+ADAPTER = "sql"  # a LoRA adapter every replica serves (the model_claim fixture writes it onto the claim)
 MAX_TOKENS = 48
 LONG = 600  # tokens: streams that outlast a pod's startup, preStop and the start of its drain
 
@@ -30,12 +31,15 @@ def llmdeployment(replicas: int, name: str = NAME) -> dict:
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "model": {"name": "SmolLM2-135M-Instruct", "source": "pvc://models/smollm2"},
+            "adapters": [{"name": ADAPTER, "source": f"pvc://models/{LORA_ADAPTER_PATH}"}],
             # One OpenMP thread per engine: two engines (three while a rollout surges) share this node's 2 cores.
             "engine": {"image": ENGINE_IMAGE, "maxNumSeqs": 16, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
             "resources": {"gpu": 0, "memory": "3Gi"},
             "replicas": replicas,
             "loadBalancer": {"image": NGINX_IMAGE},
-            "drain": {"timeoutSeconds": 120, "preStopDelaySeconds": 3},
+            # Long enough for a LONG stream to finish on a slow CPU: an AVX2-only one (float32, one thread) needed
+            # more than 120 s for 600 tokens at 8 streams per engine, and the drain timeout aborted them (CI).
+            "drain": {"timeoutSeconds": 300, "preStopDelaySeconds": 3},
         },
     }
 
@@ -85,6 +89,16 @@ def assert_all_finished(results: list[dict], streams: int, max_tokens: int = MAX
     assert len(results) == streams and not lost, f"streams lost or cut: {lost}"
 
 
+def chat(url: str, model: str) -> tuple[int, dict]:
+    """A chat completion through NGINX, from inside the node's network namespace: (HTTP status, body)."""
+    body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Users older than 30?"}]}
+    r = subprocess.run(in_netns("curl", "-s", "-w", "\n%{http_code}", "-H", "Content-Type: application/json",
+                                "-d", json.dumps(body), f"{url}/chat/completions"), capture_output=True, text=True,
+                       timeout=120)
+    text, _, code = r.stdout.rpartition("\n")
+    return int(code or 0), json.loads(text) if text.startswith("{") else {}
+
+
 @pytest.fixture(scope="module")
 def served(node, operator_release, model_claim):
     apply(node, replicas=1)
@@ -130,6 +144,15 @@ def test_apply_serves_a_chat_completion_through_nginx_and_kube_proxy(node, serve
     assert all(r["chunks"] >= MAX_TOKENS // 2 and r["completion_tokens"] == MAX_TOKENS for r in results), results
 
 
+def test_the_lora_adapter_serves_through_nginx(node, served):
+    code, body = chat(served, ADAPTER)
+    assert code == 200 and body["model"] == ADAPTER and body["choices"][0]["message"]["content"], body
+    models = json.loads(subprocess.run(in_netns("curl", "-s", f"{served}/models"), capture_output=True, text=True,
+                                       timeout=30).stdout)
+    assert {m["id"]: m["parent"] for m in models["data"]}[ADAPTER] == "SmolLM2-135M-Instruct"
+    assert chat(served, "no-such-adapter")[0] == 404
+
+
 def test_the_restricted_namespace_admits_every_pod_the_operator_renders(node, served):
     """The namespace enforces the "restricted" Pod Security Standard (e2e/node/conftest.py): the real API server
     refuses a pod that breaks it, and admitted every engine and NGINX pod of this LLMDeployment."""
@@ -147,7 +170,7 @@ def test_the_restricted_namespace_admits_every_pod_the_operator_renders(node, se
     assert json.loads(events)["items"] == []
 
 
-def test_rolling_restart_under_load_loses_no_stream(node, served, stream_runs):
+def test_rolling_restart_under_load_loses_no_stream_and_the_new_pods_serve_the_lora_adapter(node, served, stream_runs):
     apply(node, replicas=2)
     wait_for(lambda: [ready(p) for p in engine_pods(node)], lambda r: r == [True, True], timeout=300,
              what="two ready engine pods", interval=2)
@@ -165,6 +188,8 @@ def test_rolling_restart_under_load_loses_no_stream(node, served, stream_runs):
     node.kubectl("rollout", "status", f"deployment/{NAME}-engine", "--timeout=400s", timeout=420)
     after = {p["metadata"]["name"] for p in engine_pods(node) if ready(p)}
     assert len(after) == 2 and not after & before, (before, after)
+    # Every replica loads every adapter at start: the restarted ones serve it (NGINX may take a resolve to see them)
+    wait_for(lambda: chat(served, ADAPTER)[0], lambda code: code == 200, timeout=60, what="the adapter after the rollout")
 
 
 def test_deleting_a_busy_pod_drains_it_and_others_take_new_requests(node, served, stream_runs):
