@@ -4,8 +4,9 @@
     .venv/bin/python bench/lora.py            # the bundled model, dtype auto (bf16 where the CPU has AVX512_BF16)
     .venv/bin/python bench/lora.py --smoke    # tiny sizes: the script still runs (tests/test_bench_smoke.py)
 
-Each row: one engine, a warm-up generate, then the best of `--reps` timed generates of `--batch` prompts, each
-`--output` tokens (ignore_eos); tokens/s = batch x output / seconds. Adapters are random (A, B ~ N(0, 0.02)) and
+Two engines (one with --enable-lora --max-loras 4), warmed up; then `--reps` rounds, each timing one generate of
+`batch` prompts x `--output` tokens (ignore_eos) per row, alternating rows so drift hits them alike; the best
+round counts: tokens/s = batch x output / seconds. Adapters are random (A, B ~ N(0, 0.02)) and
 written in PEFT's layout, so the numbers need no peft install.
 """
 
@@ -48,18 +49,13 @@ def write_adapter(out: Path, config, rank: int, seed: int) -> Path:
     return out
 
 
-def tokens_per_second(llm: LLM, batch: int, prompt_len: int, output: int, loras: list, reps: int) -> float:
+def timed_generate(llm: LLM, batch: int, prompt_len: int, output: int, loras: list) -> float:
+    """Seconds for one generate of `batch` prompts, `output` tokens each (adapters round robin over the prompts)."""
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(prompt_len)] for i in range(batch)]
     per_prompt = [loras[i % len(loras)] for i in range(batch)] if loras else None
-    params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 lora_request=per_prompt[:2] if per_prompt else None)  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        llm.generate(prompts, params, lora_request=per_prompt)
-        best = min(best, time.perf_counter() - t)
-    return batch * output / best
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output, ignore_eos=True), lora_request=per_prompt)
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -69,7 +65,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: check that it runs")
     args = ap.parse_args()
@@ -78,24 +74,25 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     common = {"dtype": args.dtype, "kv_cache_memory": 256 * 1024**2, "max_num_seqs": max(batches)}
-    results = {}
+    results: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory() as tmp:
         plain = LLM(str(model_dir), **common)
-        config = plain.engine.hf_config
-        adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", config, args.rank, i)))
-                    for i in range(4)]
-        for b in batches:
-            results[("no --enable-lora", b)] = tokens_per_second(plain, b, args.prompt, args.output, [], args.reps)
-        del plain
         lora = LLM(str(model_dir), enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)
-        for n in (0, 1, 4):
-            for b in batches:
-                results[(f"--enable-lora, {n} adapters", b)] = tokens_per_second(
-                    lora, b, args.prompt, args.output, adapters[:n], args.reps)
+        adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", plain.engine.hf_config,
+                                                                 args.rank, i))) for i in range(4)]
+        runs = {"no --enable-lora": (plain, [])} | {f"--enable-lora, {n} adapters": (lora, adapters[:n])
+                                                    for n in (0, 1, 4)}
+        for llm, loras in runs.values():  # warm-up: first steps, adapters read and checked
+            timed_generate(llm, 2, args.prompt, 4, loras)
+        for b in batches:
+            for _ in range(args.reps):  # rounds over every engine, so drift in the machine hits them alike
+                for name, (llm, loras) in runs.items():
+                    seconds = timed_generate(llm, b, args.prompt, args.output, loras)
+                    results[(name, b)] = max(results.get((name, b), 0.0), b * args.output / seconds)
     print(f"model {model_dir.name}, dtype {args.dtype}, rank {args.rank}, prompt {args.prompt}, output {args.output}")
     print("| engine | " + " | ".join(f"batch {b} tok/s | vs no LoRA" for b in batches) + " |")
     print("|---|" + "---|---|" * len(batches))
-    for name in ["no --enable-lora"] + [f"--enable-lora, {n} adapters" for n in (0, 1, 4)]:
+    for name in runs:
         cells = []
         for b in batches:
             v, base = results[(name, b)], results[("no --enable-lora", b)]
