@@ -17,3 +17,7 @@ class EngineDeadError(RuntimeError):
 
 class WorkerDied(RuntimeError):
     """A tensor-parallel worker process exited: the engine cannot run without it."""
+
+
+class AdapterError(ValueError):
+    """A LoRA adapter that cannot serve: unreadable, for another base model, or a feature the engine does not run."""

@@ -16,8 +16,7 @@ from pagekube.engine.core.sequence import Request, Sequence, SequenceStatus
 from pagekube.engine.detokenizer import start_detokenizer
 from pagekube.engine.distributed.tensor_parallel import TPShard, unsupported
 from pagekube.engine.distributed.tp_workers import Workers, init_distributed
-from pagekube.engine.errors import RequestRejected
-from pagekube.engine.lora.adapter import AdapterError
+from pagekube.engine.errors import AdapterError, RequestRejected
 from pagekube.engine.lora.manager import LoRAManager
 from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.model.model_files import BUNDLED_NAME, resolve_model_dir

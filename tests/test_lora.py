@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagekube.engine import LLM, LoRARequest, SamplingParams
-from pagekube.engine.lora.adapter import AdapterError, read_adapter
+from pagekube.engine.errors import AdapterError
+from pagekube.engine.lora.adapter import read_adapter
 from tests.conftest import write_tiny_llama
 from tests.lora_adapters import ALL, ATTENTION, MLP, hf_greedy, merged_hf_model, write_adapter
 

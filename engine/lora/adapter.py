@@ -17,16 +17,13 @@ from pathlib import Path
 
 import torch
 
+from pagekube.engine.errors import AdapterError
 from pagekube.engine.lora.request import LoRARequest
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # PEFT's names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY = re.compile(r"(?:^|\.)(model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])\.weight$")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot serve: unreadable, a different base model, or a feature the engine does not run."""
 
 
 @dataclass

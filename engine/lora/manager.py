@@ -16,7 +16,8 @@ from collections import OrderedDict
 
 import torch
 
-from pagekube.engine.lora.adapter import AdapterError, LoRAAdapter, read_adapter
+from pagekube.engine.errors import AdapterError
+from pagekube.engine.lora.adapter import LoRAAdapter, read_adapter
 from pagekube.engine.lora.request import LoRARequest
 
 log = logging.getLogger("pagekube.engine")

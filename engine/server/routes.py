@@ -17,8 +17,7 @@ from pydantic import ValidationError
 import pagekube
 from pagekube.engine.async_engine import AsyncEngine, RequestStream
 from pagekube.engine.chat import chat_prompt_ids
-from pagekube.engine.errors import EngineDeadError, RequestRejected
-from pagekube.engine.lora.adapter import AdapterError
+from pagekube.engine.errors import AdapterError, EngineDeadError, RequestRejected
 from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.sampling_params import RequestOutputKind
 from pagekube.engine.server.errors import APIError, error_response
