@@ -80,12 +80,14 @@ class LoRALayer:
         return y
 
     def load(self, slot: int, weights) -> None:
+        """Put an adapter's weights for this Linear in `slot`, or none; the rest of the slot is zeroed, since the
+        GPU kernels read the whole slot (a previous adapter's weights must not stay behind)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
         if weights is None:
             self.width[slot] = 0
             return
         w = weights.a.shape[0]
-        self.a[slot].zero_()
-        self.b[slot].zero_()
         self.a[slot, :w] = weights.a
         self.b[slot, :, :w] = weights.b
         self.width[slot] = w
@@ -126,9 +128,3 @@ class LoRASlots:
         for slot in slot_of.values():
             self._last_used[slot] = self._clock
         return slot_of
-
-    def evict(self, adapter_id: int) -> None:
-        """Forget an unloaded adapter's slot (its weights are overwritten by the next adapter that needs one)."""
-        for s, aid in enumerate(self.resident):
-            if aid == adapter_id:
-                self.resident[s] = None
