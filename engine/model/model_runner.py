@@ -15,6 +15,7 @@ import torch.distributed as dist
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.core.scheduler import ScheduledBatch
 from pagekube.engine.distributed.tensor_parallel import TPShard
+from pagekube.engine.lora.slots import LoRASlots, LoRAStep
 from pagekube.engine.model.attention import make_backend
 from pagekube.engine.model.model import AttentionMetadata, use_kernels
 from pagekube.engine.model.model_loader import load_model
@@ -90,8 +91,6 @@ class ModelRunner:
         self.allocate_kv_pool(num_blocks)
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
-        from pagekube.engine.lora.slots import LoRASlots
-
         self.lora = LoRASlots(self.model, max_loras, max_rank)
 
     def kernel_report(self) -> dict[str, str]:
@@ -243,16 +242,13 @@ class ModelRunner:
             context_lens_list=ctx_list,
             prompt_rows=prompt_rows.tolist(),
         )
-        if self.lora is None:
-            hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
-            return self.model.compute_logits(hidden[to_dev(logit_rows)])
-        from pagekube.engine.lora.slots import LoRAStep
-
-        self.lora.step = LoRAStep.of(starts_list, lora_slots.tolist(), self.device)
+        if self.lora is not None:  # this step's rows per adapter slot, for every LoRA Linear
+            self.lora.step = LoRAStep.of(starts_list, lora_slots.tolist(), self.device)
         try:
             hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
         finally:
-            self.lora.step = LoRAStep()
+            if self.lora is not None:
+                self.lora.step = LoRAStep()
         return self.model.compute_logits(hidden[to_dev(logit_rows)])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
