@@ -75,8 +75,9 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="vLLM's switch off CUDA graphs; the engine always runs eagerly")
     distributed_executor_backend: Literal["mp", "ray", "uni"] | None = Field(
         None, description="vLLM's executor for tensor parallelism; workers are always local processes (mp)")
-    quantization: str | None = Field(
-        None, description="Weight quantization of the checkpoint (vLLM's -q); none besides a .gguf file's own yet")
+    quantization: Literal["compressed-tensors", "awq", "gptq", "fp8", "gguf"] | None = Field(
+        None, description="Weight quantization of the checkpoint (vLLM's -q); default: what its config.json says "
+                          "(quantization_config); gguf: a .gguf file")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (-pp); only 1 is supported yet")
 
     @field_validator("speculative_config", mode="before")
@@ -124,11 +125,9 @@ class EngineConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _known_quantization(self) -> EngineConfig:
-        q = self.quantization
-        if q is not None and not (q == "gguf" and (self.model or "").endswith(".gguf")):
-            raise ValueError(f"--quantization {q}: the engine does not load {q} checkpoints yet; it reads "
-                             "unquantized safetensors and .gguf files (--quantization gguf, or no flag)")
+    def _gguf_is_a_file(self) -> EngineConfig:
+        if self.quantization == "gguf" and self.model is not None and not self.model.endswith(".gguf"):
+            raise ValueError("--quantization gguf needs a .gguf model file")
         return self
 
     def compat_notes(self) -> list[str]:

@@ -69,7 +69,7 @@ class LLMEngine:
         shard, control = self._start_tensor_parallel()
         try:
             self.runner = ModelRunner(config, self.model_dir, self.hf_config, shared_bytes_per_block=draft_bytes,
-                                      shard=shard, control=control)
+                                      shard=shard, control=control, quantization=config.quantization)
         except BaseException:
             self.close()
             raise

@@ -81,6 +81,7 @@ def engine_args(spec: LLMDeploymentSpec) -> list[str]:
         "host": "0.0.0.0",
         "port": naming.ENGINE_PORT,
         "dtype": spec.model.dtype,
+        "quantization": spec.model.quantization,
         "max_model_len": spec.model.max_model_len,
         "device": "cpu" if cpu_only else None,
         "gpu_memory_utilization": None if cpu_only else e.gpu_memory_utilization,

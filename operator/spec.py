@@ -98,6 +98,9 @@ class ModelSpec(_Spec):
     )
     revision: str | None = Field(None, description="Hugging Face revision (branch, tag or commit) for hf:// sources")
     dtype: Literal[tuple(flags.choices("dtype"))] = flags.default("dtype")
+    quantization: Literal[tuple(flags.choices("quantization"))] | None = Field(
+        None, description="The checkpoint's weight quantization (the engine's --quantization); default: what its "
+                          "config.json says. Set it to have pods refuse a checkpoint quantized otherwise")
     max_model_len: int | None = Field(None, ge=flags.bound("max_model_len", "minimum"),
                                       description="Longest prompt + output in tokens (default: the model's)")
     size_hint: str | None = Field(None, pattern=QUANTITY, description="Disk the downloaded weights take, e.g. 20Gi: "

@@ -107,3 +107,11 @@ def test_lora_benchmark_smoke():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| --enable-lora")]
     assert len(rows) == 3 and all(line.count("%") == 2 for line in rows)
+
+
+def test_quantized_benchmark_smoke():
+    out = subprocess.run([sys.executable, str(REPO / "bench/quantized.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| unquantized", "| w4a16-g64"))]
+    assert len(rows) == 2 and all(line.rstrip().endswith("|") for line in rows)

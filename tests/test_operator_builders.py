@@ -189,6 +189,14 @@ def test_tensor_parallel_renders_the_flag_the_gpus_and_a_memory_backed_shm():
     assert "--tensor-parallel-size" not in engine_args(spec_of())  # 1: the engine's default, not rendered
 
 
+def test_model_quantization_passes_the_engine_flag_and_an_unknown_scheme_is_refused():
+    args = engine_args(spec_of(model={"name": "m", "source": "hf://org/repo-AWQ", "quantization": "awq"}))
+    assert args[args.index("--quantization") + 1] == "awq"
+    assert "--quantization" not in engine_args(spec_of())  # the checkpoint's own config says it
+    with pytest.raises(ValidationError, match="quantization"):
+        spec_of(model={"name": "m", "source": "hf://org/repo", "quantization": "bitsandbytes"})
+
+
 def test_hf_source_downloads_in_an_init_container_and_cpu_only_has_no_gpu():
     spec = spec_of(model={"name": "m", "source": "hf://org/repo", "revision": "v2"}, resources={"gpu": 0})
     pod = build_engine_deployment("m", "ns", spec)["spec"]["template"]["spec"]

@@ -44,7 +44,7 @@ def worker_main(rank: int, size: int, port: int, config, model_dir) -> None:
     setup_logging()
     control = init_distributed(rank, size, port, resolve_device(config.device, rank))
     runner = ModelRunner(config, model_dir, AutoConfig.from_pretrained(model_dir), shard=TPShard(rank, size),
-                         control=control)
+                         control=control, quantization=config.quantization)
     runner.serve_forever()
     dist.destroy_process_group()
 

@@ -52,10 +52,10 @@ class LoRALayer:
     """One Linear's adapter slots: `a` [slots, width, in], `b` [slots, out, width]; `width[s]` columns are used
     by the adapter in slot s (0: it does not target this Linear)."""
 
-    def __init__(self, linear: torch.nn.Linear, slots: LoRASlots, width: int):
-        w = linear.weight
-        self.a = torch.zeros(slots.max_loras, width, linear.in_features, dtype=w.dtype, device=w.device)
-        self.b = torch.zeros(slots.max_loras, linear.out_features, width, dtype=w.dtype, device=w.device)
+    def __init__(self, linear: torch.nn.Linear, slots: LoRASlots, width: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.a = torch.zeros(slots.max_loras, width, linear.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(slots.max_loras, linear.out_features, width, dtype=dtype, device=device)
         self.width = [0] * slots.max_loras
         self.slots = slots
 
@@ -102,10 +102,12 @@ class LoRASlots:
         self.max_loras = max_loras
         self.step = LoRAStep()
         self.layers: dict[str, LoRALayer] = {}
+        embedding = model.model.embed_tokens.weight  # the model's dtype and device (a quantized Linear has no weight)
         for name, mod in model.named_modules():
             if isinstance(mod, Linear) and name.rsplit(".", 1)[-1] in TARGET_LINEARS:
                 parts = len(getattr(mod, "output_sizes", [0]))
-                mod.lora = self.layers[name] = LoRALayer(mod, self, parts * max_rank)
+                mod.lora = self.layers[name] = LoRALayer(mod, self, parts * max_rank, embedding.dtype,
+                                                         embedding.device)
         self.resident: list[int | None] = [None] * max_loras  # adapter id in each slot
         self._last_used = [0] * max_loras
         self._clock = 0

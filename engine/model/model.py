@@ -83,14 +83,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """nn.Linear through kernels.cpu_ops (AMX or small-batch kernels on CPUs that have them). `q4`: the same weights
     in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` by those kernels.
-    `lora`: its adapter slots with --enable-lora (engine/lora/slots.py), added to the base output."""
+    `quant`: a quantized checkpoint's packed weights (engine/quantization/packed.py), kept in place of `weight`
+    (then None). `lora`: its adapter slots with --enable-lora (engine/lora/slots.py), added to the base output."""
 
     q4 = None
+    quant = None
     lora = None
     kernels: CpuKernels = NO_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.matmul(x, self.weight, self.bias, self.q4)
+        weight = self.weight if self.quant is None else self.quant.dequantize(x.dtype)
+        y = self.kernels.matmul(x, weight, self.bias, self.q4)
         return y if self.lora is None else self.lora.add(x, y)
 
 
@@ -266,6 +269,25 @@ class CausalLM(nn.Module):
                 sizes = self.get_submodule(".".join(parts[:i] + [fused])).output_sizes
                 return target, params[target].narrow(0, sum(sizes[:index]), sizes[index])
         return None
+
+    def projection_target(self, module: str) -> tuple[str, int] | None:
+        """The Linear a checkpoint projection (e.g. model.layers.0.self_attn.k_proj) loads into, and its row block
+        there (its index among a fused Linear's projections, else 0); None where there is no such Linear."""
+        if not module.startswith(("model.", "lm_head")):
+            module = "model." + module
+        *path, leaf = module.split(".")
+        fused, index = self.stacked_params.get(leaf, (leaf, 0))
+        name = ".".join([*path, fused])
+        try:
+            return (name, index) if isinstance(self.get_submodule(name), Linear) else None
+        except AttributeError:
+            return None
+
+    def projections(self, linear: str) -> list[str]:
+        """The checkpoint projections a Linear of this model is loaded from, in row order (inverse of the above)."""
+        *path, leaf = linear.split(".")
+        parts = sorted((i, p) for p, (fused, i) in self.stacked_params.items() if fused == leaf) or [(0, leaf)]
+        return [".".join([*path, p]) for _, p in parts]
 
     def checkpoint_slice(self, name: str) -> tuple[int, int, int] | str | None:
         """The part of checkpoint tensor `name` this rank holds: (dim, start, length); "zero" for a row-parallel

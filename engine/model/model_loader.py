@@ -14,6 +14,8 @@ from tqdm import tqdm
 from pagekube.engine.distributed.tensor_parallel import TPShard
 from pagekube.engine.model.layers import gguf_linears
 from pagekube.engine.model.model import CausalLM
+from pagekube.engine.quantization import schemes
+from pagekube.engine.quantization.loading import QuantizedLinears
 from pagekube.kernels import cpu_ops
 
 log = logging.getLogger("pagekube.engine")
@@ -31,11 +33,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device,
-               shard: TPShard = TPShard()) -> CausalLM:
+               shard: TPShard = TPShard(), quantization: str | None = None) -> CausalLM:
     """With tensor parallelism each rank reads only its slice of each tensor (safetensors slices: no rank ever
-    holds the full weights)."""
+    holds the full weights; a quantized projection is read whole, then sliced). `quantization`: --quantization,
+    checked against the checkpoint's own quantization_config (engine/quantization)."""
+    method = schemes.resolve(hf_config, quantization)
     with torch.device("meta"):
         model = CausalLM(hf_config, shard).to(dtype)
+    quantized = QuantizedLinears(model, method)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
     model.model.rotary = type(model.model.rotary)(hf_config).to(device)  # float32 buffers, computed not loaded
@@ -48,6 +53,9 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
                 for name in st.keys():
+                    if quantized.take(name, lambda name=name: st.get_tensor(name)):
+                        loaded.add(name)
+                        continue
                     target = model.checkpoint_target(name, params)
                     if target is None:
                         continue  # e.g. rotary inv_freq, or lm_head when tied
@@ -66,6 +74,9 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
                             dest = dest[:length]
                     if tensor.shape != dest.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
+                    if dest.is_floating_point() and not tensor.is_floating_point() or tensor.element_size() == 1:
+                        raise schemes.QuantizationError(f"{name}: {tensor.dtype} weights in a checkpoint whose "
+                                                        "config.json does not say how they are quantized")
                     with torch.no_grad():
                         dest.copy_(tensor)
                     loaded.add(name)
@@ -74,10 +85,18 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
     missing = {n for n, p in params.items() if covered.get(n, 0) != p.numel()}
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
-    log.info("loaded %d tensors (%.1f MB) from %d file(s) in %.1f s", len(loaded), total / 1e6, len(files),
-             time.monotonic() - start)
-    if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == 1 and cpu_ops.loaded():
+    if quantized.attach(model.checkpoint_slice, device):
+        log.info("%d linears quantized: %s", len(quantized.linears), method.describe())
+    log.info("loaded %d tensors (%.1f MB) from %d file(s) in %.1f s; weights in memory: %.1f MB", len(loaded),
+             total / 1e6, len(files), time.monotonic() - start, weight_bytes(model) / 1e6)
+    if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == 1 and cpu_ops.loaded() and not method:
         attached = gguf_linears.attach(model, model_dir)  # only the CPU extension reads them
         if attached:
             log.info("%d linears also read from the GGUF's Q4_1 blocks by the CPU kernels", attached)
     return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights take in memory: its parameters and its Linears' packed quantized weights."""
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dense + sum(m.quant.nbytes() for m in model.modules() if getattr(m, "quant", None) is not None)

@@ -54,12 +54,14 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir, hf_config, num_blocks: int | None = None,
-                 shared_bytes_per_block: int = 0, shard: TPShard = TPShard(), control=None):
+                 shared_bytes_per_block: int = 0, shard: TPShard = TPShard(), control=None,
+                 quantization: str | None = None):
         """`num_blocks`: a pool of that many blocks; 0 for none yet (a draft model loads its weights before the
         target sizes its pool, then gets as many blocks as the target: `allocate_kv_pool`). None: sized from
         the memory budget, where `shared_bytes_per_block` is what each block also costs elsewhere (the draft's
         pool). `shard` and `control` (a gloo group for the step packets): this rank's part under tensor
-        parallelism."""
+        parallelism. `quantization`: --quantization, for the served model (a draft model's config.json says its
+        own; without the flag the checkpoint's is used)."""
         self.config = config
         self.shard, self.control = shard, control
         self.device = resolve_device(config.device, shard.rank)
@@ -68,7 +70,7 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend, self.device, self.block_size, self.dtype)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             load_cpu_kernels()  # built once per machine; torch's ops where it cannot be
-        self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard)
+        self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard, quantization)
         attn = self.model.model.layers[0].self_attn
         # Which CPU kernels run is decided here, once per model; layers then check only their row counts.
         self.kernels = CpuKernels.for_model(self.device, self.dtype, attn.head_dim)

@@ -21,6 +21,7 @@ import uvicorn
 from pagekube.engine.async_engine import AsyncEngine, EngineThread
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.pooling.async_pooling import AsyncPoolingEngine
+from pagekube.engine.quantization.schemes import QuantizationError
 from pagekube.engine.server.app import ServerState, create_app
 from pagekube.engine.server.metrics import EngineMetrics
 from pagekube.engine.server.request_log import RequestLogger
@@ -66,8 +67,11 @@ async def _serve(config: EngineConfig) -> int:
     try:
         engine_thread = EngineThread()  # imports torch and loads the model, then steps it; the loop stays free
         engine = await asyncio.wrap_future(engine_thread.submit(load_engine, config))
-    except Exception:
-        log.exception("model load failed")
+    except Exception as err:
+        if isinstance(err, QuantizationError):  # the checkpoint's scheme, refused: the message says it all
+            log.error({"msg": "model load failed", "error": str(err)})
+        else:
+            log.exception("model load failed")
         server.should_exit = True
         await serving
         return 1

@@ -1,0 +1,119 @@
+"""Quantized weights as the Linears keep them in memory: packed integers or FP8, never dequantized at load.
+
+Every on-disk layout (layouts.py) becomes one of these, so the kernels and tensor parallelism see one form each.
+A fused Linear (q/k/v, gate/up) holds one per checkpoint projection (`QuantizedWeight.parts`): their groups,
+scales and act-order column orders are their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass
+class IntWeight:
+    """w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = g_idx[k], or k // group_size without act order."""
+
+    packed: torch.Tensor  # uint8 [N, K] (8 bits) or [N, K/2] (4 bits: column 2i in the low nibble, 2i+1 high)
+    scale: torch.Tensor  # float32 [N, groups]
+    zero: torch.Tensor  # uint8 [N, groups]: unsigned zero points (2^(bits-1) where symmetric)
+    bits: int
+    group_size: int  # input columns per group (K for one group per row)
+    g_idx: torch.Tensor | None = None  # int64 [K]: each column's group (act order: not in column order)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 8 // self.bits
+
+    def unpack(self) -> torch.Tensor:
+        """q as uint8 [N, K]."""
+        if self.bits == 8:
+            return self.packed
+        return torch.stack([self.packed & 0xF, self.packed >> 4], dim=-1).reshape(self.shape)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Computed in float32 as compressed-tensors does ((q - zero) * scale), then rounded once to `dtype`."""
+        n, k = self.shape
+        q = self.unpack().float()
+        if self.g_idx is not None:
+            return ((q - self.zero[:, self.g_idx].float()) * self.scale[:, self.g_idx]).to(dtype)
+        q = q.view(n, -1, self.group_size)
+        return ((q - self.zero.float()[..., None]) * self.scale[..., None]).reshape(n, k).to(dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> IntWeight:
+        """Rows (dim 0) or input columns (dim 1) start:start+length: one tensor-parallel rank's part."""
+        if dim == 0:
+            return replace(self, packed=self.packed[start:start + length], scale=self.scale[start:start + length],
+                           zero=self.zero[start:start + length])
+        per_byte = 8 // self.bits
+        if start % per_byte or length % per_byte:
+            raise ValueError(f"cannot split {self.bits}-bit weights at column {start}")
+        packed = self.packed[:, start // per_byte:(start + length) // per_byte]
+        if self.g_idx is not None:  # act order: every group may have columns here, keep all their scales
+            return replace(self, packed=packed, g_idx=self.g_idx[start:start + length])
+        if start % self.group_size or length % self.group_size:
+            raise ValueError(f"a tensor-parallel split at input column {start} cuts a quantization group of "
+                             f"{self.group_size} columns; choose a --tensor-parallel-size that splits whole groups")
+        g0, g1 = start // self.group_size, (start + length) // self.group_size
+        return replace(self, packed=packed, scale=self.scale[:, g0:g1], zero=self.zero[:, g0:g1])
+
+
+@dataclass
+class Fp8Weight:
+    """w = weight * scale: scale [1, 1] per tensor, [N, 1] per row, or [N/block[0], K/block[1]] per block."""
+
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32
+    block: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        w = self.weight.float()
+        if self.block is None:
+            return (w * self.scale).to(dtype)
+        n, k = self.shape
+        bn, bk = self.block
+        scale = self.scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return (w * scale).to(dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> Fp8Weight:
+        weight = self.weight.narrow(dim, start, length)
+        if self.block is not None:
+            size = self.block[dim]
+            if start % size:
+                raise ValueError(f"a tensor-parallel split at {start} cuts an FP8 block of {size}")
+            scale = self.scale.narrow(dim, start // size, -(-length // size))
+        elif dim == 0 and self.scale.shape[0] > 1:
+            scale = self.scale[start:start + length]
+        else:
+            scale = self.scale
+        return replace(self, weight=weight, scale=scale)
+
+
+@dataclass
+class QuantizedWeight:
+    """A Linear's weight as its checkpoint projections, stacked by rows (one part unless the Linear is fused)."""
+
+    parts: list[IntWeight | Fp8Weight]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].dequantize(dtype)
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.parts for t in vars(p).values()
+                   if isinstance(t, torch.Tensor))
+
+
+def to_device(weight: IntWeight | Fp8Weight, device: torch.device) -> IntWeight | Fp8Weight:
+    return replace(weight, **{k: v.to(device) for k, v in vars(weight).items() if isinstance(v, torch.Tensor)})

@@ -1,0 +1,335 @@
+"""Quantized checkpoints: every on-disk layout read from known integers; refusals that name the scheme; real
+checkpoints made by llm-compressor (W4A16 symmetric and asymmetric, W8A16, FP8, GPTQ with act order) giving
+transformers' greedy output in float32; AWQ and GPTQ checkpoints holding the same integers giving the same output;
+tensor parallelism over packed weights; weights kept packed in memory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagekube.engine import LLM, SamplingParams
+from pagekube.engine.quantization import layouts
+from pagekube.engine.quantization.packed import IntWeight
+from pagekube.engine.quantization.schemes import QuantizationError, WeightScheme, resolve
+from tests.conftest import write_tiny_llama
+from tests.quantized_checkpoints import (
+    SMOLLM_JOBS,
+    convert,
+    int_weights,
+    pack_along_cols,
+    pack_along_rows,
+    pack_awq,
+    quantize,
+)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of robotics are",
+           "Kubernetes schedules pods by", "1, 1, 2, 3, 5, 8,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+
+
+
+def expected(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """(q - zero) * scale with one zero and scale per `group` columns of each row."""
+    return (q.float() - zero.float().repeat_interleave(group, 1)) * scale.repeat_interleave(group, 1)
+
+
+def known(n: int, k: int, bits: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+    zero = torch.randint(0, 1 << bits, (n, k // group), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) + 0.01
+    return q, zero, scale
+
+
+# ---- layouts, from known integers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, None], ids=["group32", "channel"])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_compressed_tensors_pack_quantized_reads_known_integers(bits, group, symmetric):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    n, k = 24, 128
+    q, zero, scale = known(n, k, bits, group or k)
+    offset = 1 << (bits - 1)
+    if symmetric:
+        zero = torch.full_like(zero, offset)
+    tensors = {"weight_packed": pack_to_int32((q.to(torch.int32) - offset).to(torch.int8), bits),
+               "weight_scale": scale, "weight_shape": torch.tensor([n, k])}
+    if not symmetric:  # compressed-tensors packs asymmetric zero points along the rows
+        tensors["weight_zero_point"] = pack_to_int32((zero.to(torch.int32) - offset).to(torch.int8), bits, 0)
+    w = layouts.read(WeightScheme("compressed-int", bits, group, symmetric), tensors, "proj")
+    assert w.packed.numel() == n * k * bits // 8  # packed in memory, not widened
+    assert torch.equal(w.dequantize(torch.float32), expected(q, zero, scale, group or k))
+
+
+def test_awq_layout_reads_known_integers_in_its_interleaved_nibble_order():
+    n, k, group = 32, 64, 32
+    q, zero, scale = known(n, k, 4, group)
+    tensors = {"qweight": pack_awq(q.t().contiguous()), "qzeros": pack_awq(zero.t().contiguous()),
+               "scales": scale.t().half()}
+    w = layouts.read(WeightScheme("awq", 4, group, False), tensors, "proj")
+    assert torch.equal(w.dequantize(torch.float32), expected(q, zero, scale.half().float(), group))
+    # one nibble by hand: column 1 of a word sits in bits 16..19 (AutoAWQ's order 0, 2, 4, 6, 1, 3, 5, 7)
+    one = torch.zeros(1, 8, dtype=torch.uint8)
+    one[0, 1] = 5
+    assert int(pack_awq(one)[0, 0]) == 5 << 16
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_layout_reads_known_integers_with_act_order_and_v1_zeros(bits):
+    n, k, group = 16, 128, 32
+    q, zero, scale = known(n, k, bits, group)
+    zero = zero.clamp(min=1)  # v1 stores zero - 1: a zero of 0 cannot be stored (as in GPTQ)
+    g = torch.Generator().manual_seed(1)
+    g_idx = torch.randperm(k, generator=g) % (k // group)  # act order: groups not in column order
+    tensors = {"qweight": pack_along_rows(q.t().contiguous(), bits),
+               "qzeros": pack_along_cols((zero.to(torch.int32) - 1).t().contiguous(), bits),
+               "scales": scale.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
+    w = layouts.read(WeightScheme("gptq", bits, group, False, gptq_v1_zeros=True), tensors, "proj")
+    want = (q.float() - zero[:, g_idx].float()) * scale[:, g_idx]
+    assert torch.equal(w.dequantize(torch.float32), want)
+    # tensor parallel, row-parallel: a rank's input columns keep every group's scale (act order spans them all)
+    assert torch.equal(w.narrow(1, 64, 64).dequantize(torch.float32), want[:, 64:])
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_fp8_weights_read_with_their_scales(strategy):
+    n, k = 256, 256
+    w8 = (torch.randn(n, k) * 50).to(torch.float8_e4m3fn)
+    scale = {"tensor": torch.tensor([0.02]), "channel": torch.rand(n, 1) + 0.01,
+             "block": torch.rand(2, 2) + 0.01}[strategy]
+    block = (128, 128) if strategy == "block" else None
+    w = layouts.read(WeightScheme("compressed-fp8", 8, block=block), {"weight": w8, "weight_scale": scale}, "p")
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1) if block else scale.reshape(-1, 1)
+    assert torch.equal(w.dequantize(torch.float32), w8.float() * full)
+
+
+def test_a_tensor_parallel_split_inside_a_group_is_refused():
+    q, zero, scale = known(8, 128, 4, 64)
+    w = IntWeight(layouts.pack_nibbles(q), scale, zero, 4, 64)
+    assert torch.equal(w.narrow(1, 64, 64).dequantize(torch.float32), expected(q, zero, scale, 64)[:, 64:])
+    with pytest.raises(ValueError, match="cuts a quantization group of 64"):
+        w.narrow(1, 32, 96)
+
+
+def test_a_layout_with_a_missing_scale_or_an_unknown_tensor_is_refused():
+    tensors = {"weight_packed": torch.zeros(4, 4, dtype=torch.int32), "weight_shape": torch.tensor([4, 32])}
+    with pytest.raises(QuantizationError, match="proj: compressed-int checkpoint is missing weight_scale"):
+        layouts.read(WeightScheme("compressed-int", 4, 32), tensors, "proj")
+    tensors |= {"weight_scale": torch.ones(4, 1), "weight_global_scale": torch.ones(1)}
+    with pytest.raises(QuantizationError, match="weight_global_scale"):
+        layouts.read(WeightScheme("compressed-int", 4, 32), tensors, "proj")
+
+
+# ---- schemes: what is refused, and how it says so -------------------------------------------------------------
+
+
+def _ct(weights: dict, fmt: str = "pack-quantized", **extra) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, **extra}}}
+
+
+class _Config:
+    def __init__(self, qc):
+        self.quantization_config = qc
+
+
+@pytest.mark.parametrize("qc, says", [
+    ({"quant_method": "bitsandbytes"}, "quantization method 'bitsandbytes' is not supported"),
+    (_ct(int_weights(8, None), input_activations={"num_bits": 8, "type": "int", "strategy": "token"}),
+     "W8A8 (int activations) is not supported"),
+    (_ct({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, "nvfp4-pack-quantized"),
+     "float4 weights in format 'nvfp4-pack-quantized' are not supported"),
+    (_ct(int_weights(2, 64)), "int2 weights in format 'pack-quantized' are not supported"),
+    (_ct(int_weights(4, 64)) | {"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv' layout"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq: 3-bit weights are not supported"),
+])
+def test_a_scheme_the_engine_does_not_run_is_refused_by_name(qc, says):
+    with pytest.raises(QuantizationError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        resolve(_Config(qc), None)
+
+
+def test_the_flag_must_match_the_checkpoint_and_is_refused_on_an_unquantized_one():
+    qc = _ct(int_weights(4, 64))
+    assert resolve(_Config(qc), "compressed-tensors").name == "compressed-tensors"
+    with pytest.raises(QuantizationError, match="--quantization awq does not match the checkpoint's "
+                                                "quantization \\(compressed-tensors\\)"):
+        resolve(_Config(qc), "awq")
+    with pytest.raises(QuantizationError, match="the checkpoint is not quantized"):
+        resolve(_Config(None), "fp8")
+    method = resolve(_Config(qc), None)
+    assert method.scheme_for("lm_head") is None and method.scheme_for("model.layers.0.mlp.up_proj").bits == 4
+
+
+def test_fp8_weights_without_a_quantization_config_are_refused_not_served_as_garbage(tmp_path, bundled_dir):
+    """The bug this issue began with: an FP8 checkpoint whose scales were ignored loaded without a word."""
+    model = write_tiny_llama(tmp_path / "m", bundled_dir, shard=None)
+    state = load_file(model / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name + "_scale"] = torch.ones(state[name].shape[0], 1)
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match="up_proj.weight_scale: a quantization tensor of a layer the "
+                                                "checkpoint's quantization_config does not quantize"):
+        LLM(str(model), dtype="float32", kv_cache_memory=16 * 1024**2)
+    state[name] = state[name].to(torch.float8_e4m3fn)
+    save_file(state, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match="float8_e4m3fn weights in a checkpoint whose config.json"):
+        LLM(str(model), dtype="float32", kv_cache_memory=16 * 1024**2)
+
+
+# ---- real checkpoints --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm_checkpoints(bundled_dir):
+    return quantize(bundled_dir, SMOLLM_JOBS)
+
+
+def engine_tokens(model, **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=64 * 1024**2, **kw)
+    try:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)], llm
+    finally:
+        llm.close()
+
+
+def hf_tokens(model) -> list[list[int]]:
+    """transformers' greedy output on the checkpoint (compressed-tensors decompresses it, in float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
+                                              quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    out = []
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = hf.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _trim_eos(tokens: list[list[int]], eos: int) -> list[list[int]]:
+    return [t[:t.index(eos) + 1] if eos in t else t for t in tokens]
+
+
+@pytest.mark.parametrize("scheme", list(SMOLLM_JOBS))
+def test_llmcompressor_checkpoint_of_the_bundled_model_gives_transformers_greedy_output(smollm_checkpoints,
+                                                                                         scheme):
+    model = smollm_checkpoints[scheme]
+    got, llm = engine_tokens(model)
+    eos = llm.engine.tokenizer.eos_token_id
+    assert _trim_eos(got, eos) == _trim_eos(hf_tokens(model), eos)
+    linear = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert linear.weight is None and linear.quant is not None  # kept packed: no float copy of the weight
+
+
+def test_tiny_random_llama_checkpoint_gives_transformers_greedy_output_and_splits_over_two_ranks(tmp_path,
+                                                                                                  bundled_dir):
+    base = write_tiny_llama(tmp_path / "tiny", bundled_dir, shard=None)
+    ckpt = quantize(base, {"w4a16-g32-asym": {"weights": int_weights(4, 32, symmetric=False)}})["w4a16-g32-asym"]
+    got, _ = engine_tokens(ckpt)
+    assert got == hf_tokens(ckpt)
+    split, llm = engine_tokens(ckpt, tensor_parallel_size=2)  # o_proj and down_proj split by whole groups
+    assert split == got
+    # act order (g_idx out of column order) under row parallelism: every rank keeps every group's scale
+    act_order = convert(ckpt, tmp_path / "gptq-act-order", "gptq-act-order")
+    assert engine_tokens(act_order, tensor_parallel_size=2)[0] == got
+
+
+@pytest.mark.parametrize("layout, source", [("awq", "w4a16-g32-asym"), ("gptq", "w4a16-g64"),
+                                            ("gptq-act-order", "w4a16-g64")])
+def test_awq_and_gptq_checkpoints_with_the_same_integers_give_the_same_output(smollm_checkpoints, tmp_path,
+                                                                              layout, source):
+    reference, _ = engine_tokens(smollm_checkpoints[source])
+    got, llm = engine_tokens(convert(smollm_checkpoints[source], tmp_path / layout, layout))
+    assert got == reference
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant is not None
+
+
+def dense_copy(ckpt, out):
+    """The checkpoint's weights dequantized by compressed-tensors, saved as an unquantized model."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
+                                              quantization_config=CompressedTensorsConfig(dequantize=True))
+    out.mkdir()
+    tied = hf.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    for f in ckpt.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def test_a_lora_adapter_applies_on_a_quantized_base_as_on_its_dequantized_weights(smollm_checkpoints, bundled_dir,
+                                                                                   tmp_path):
+    from pagekube.engine import LoRARequest
+    from tests.lora_adapters import ALL, write_adapter
+
+    ckpt = smollm_checkpoints["w4a16-g64"]
+    adapter = LoRARequest("a", 1, str(write_adapter(bundled_dir, tmp_path / "adapter", ALL)))
+    outputs = {}
+    for name, model in [("quantized", ckpt), ("dense", dense_copy(ckpt, tmp_path / "dense"))]:
+        llm = LLM(str(model), dtype="float32", kv_cache_memory=64 * 1024**2, enable_lora=True)
+        outputs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, lora_request=adapter)]
+        llm.close()
+    assert outputs["quantized"] == outputs["dense"]
+    assert outputs["quantized"] != engine_tokens(ckpt)[0]  # the adapter changes the output
+
+
+def test_the_flag_is_checked_against_the_checkpoint_at_start(smollm_checkpoints):
+    with pytest.raises(QuantizationError, match="--quantization gptq does not match"):
+        LLM(str(smollm_checkpoints["w4a16-g64"]), dtype="float32", quantization="gptq")
+
+
+def test_w4a16_weights_take_well_under_half_the_memory_of_bf16(smollm_checkpoints, bundled_dir):
+    from pagekube.engine.model.model_loader import weight_bytes
+
+    sizes = {}
+    for name, model in [("bf16", bundled_dir), ("w4a16", smollm_checkpoints["w4a16-g64"])]:
+        llm = LLM(str(model), dtype="bfloat16", kv_cache_memory=16 * 1024**2)
+        sizes[name] = weight_bytes(llm.engine.runner.model)
+        llm.close()
+    print(f"weights in memory: bf16 {sizes['bf16'] / 1e6:.1f} MB, W4A16 g64 {sizes['w4a16'] / 1e6:.1f} MB")
+    assert sizes["w4a16"] < 0.5 * sizes["bf16"]
+
+
+def test_a_quantized_model_serves_through_the_openai_api(smollm_checkpoints):
+    import openai
+    from transformers import AutoTokenizer
+
+    from tests.server_process import ServerProcess
+
+    model = smollm_checkpoints["w4a16-g64"]
+    reference, _ = engine_tokens(model)
+    srv = ServerProcess(str(model), "--dtype", "float32", "-q", "compressed-tensors", "--served-model-name", "q")
+    try:
+        client = openai.OpenAI(base_url=srv.wait_ready().url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="q", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+        assert out.choices[0].text == AutoTokenizer.from_pretrained(model).decode(reference[0],
+                                                                                  skip_special_tokens=True)
+    finally:
+        srv.stop()
+
+
+def test_a_mismatched_flag_stops_the_server_with_the_reason(smollm_checkpoints):
+    from tests.server_process import ServerProcess
+
+    srv = ServerProcess(str(smollm_checkpoints["fp8-dynamic"]), "-q", "awq")
+    try:
+        assert srv.proc.wait(timeout=120) == 1
+        assert "--quantization awq does not match the checkpoint's quantization (compressed-tensors)" in srv.log()
+    finally:
+        srv.stop()
+
