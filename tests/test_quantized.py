@@ -333,3 +333,26 @@ def test_a_mismatched_flag_stops_the_server_with_the_reason(smollm_checkpoints):
     finally:
         srv.stop()
 
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (8, 32), (8, None)], ids=["int4-g32", "int4-g64",
+                                                                                       "int8-g32", "int8-channel"])
+def test_the_cpu_int_kernel_computes_the_dequantized_matmul_for_any_row_count(bits, group):
+    from pagekube.engine.quantization.packed import QuantizedWeight
+    from pagekube.kernels.cpu_ops import load_int_kernels
+
+    if not load_int_kernels():
+        pytest.skip("no AVX2 or no C++ compiler: the torch path runs")
+    n, k = 40, 256
+    q, zero, scale = known(n, k, bits, group or k, seed=3)
+    part = IntWeight(layouts.pack_nibbles(q) if bits == 4 else q, scale, zero, bits, group or k)
+    weight = QuantizedWeight([part, part])  # fused: two parts side by side
+    x = torch.randn(70, k)
+    reference = x @ weight.dequantize(torch.float32).t()
+    bias = torch.randn(2 * n)
+    for rows in (1, 3, 8, 9, 17, 64):
+        got = weight.linear(x[:rows], bias, kernel=True)
+        torch.testing.assert_close(got, reference[:rows] + bias, rtol=1e-4, atol=1e-3)  # sums reach ~1e3
+        assert torch.equal(got[0], weight.linear(x[:1], bias, kernel=True)[0])  # a row's result: batch invariant
+    torch.testing.assert_close(weight.linear(x[:4].bfloat16(), None, kernel=True).float(),
+                               x[:4].bfloat16().float() @ weight.dequantize(torch.float32).t(), rtol=2e-2, atol=0.3)

@@ -92,8 +92,10 @@ class Linear(nn.Linear):
     kernels: CpuKernels = NO_KERNELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.quant is None else self.quant.dequantize(x.dtype)
-        y = self.kernels.matmul(x, weight, self.bias, self.q4)
+        if self.quant is not None:
+            y = self.quant.linear(x, self.bias, self.kernels.int_linear)
+        else:
+            y = self.kernels.matmul(x, self.weight, self.bias, self.q4)
         return y if self.lora is None else self.lora.add(x, y)
 
 

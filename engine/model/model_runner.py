@@ -19,7 +19,7 @@ from pagekube.engine.lora.slots import LoRASlots, LoRAStep
 from pagekube.engine.model.attention import make_backend
 from pagekube.engine.model.model import AttentionMetadata, use_kernels
 from pagekube.engine.model.model_loader import load_model
-from pagekube.kernels.cpu_ops import CpuKernels, cpu_supports_bf16_dot, load_cpu_kernels
+from pagekube.kernels.cpu_ops import CpuKernels, cpu_supports_bf16_dot, load_cpu_kernels, load_int_kernels
 
 FORWARD, STOP = 1, 2  # packet commands, rank 0 -> workers
 HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies
@@ -71,6 +71,8 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             load_cpu_kernels()  # built once per machine; torch's ops where it cannot be
         self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard, quantization)
+        if self.device.type == "cpu" and any(getattr(m, "quant", None) for m in self.model.modules()):
+            load_int_kernels()  # the int4/int8 Linears' kernel (AVX2), built once per machine
         attn = self.model.model.layers[0].self_attn
         # Which CPU kernels run is decided here, once per model; layers then check only their row counts.
         self.kernels = CpuKernels.for_model(self.device, self.dtype, attn.head_dim)

@@ -43,7 +43,11 @@ class IntWeight:
         return ((q - self.zero.float()[..., None]) * self.scale[..., None]).reshape(n, k).to(dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> IntWeight:
-        """Rows (dim 0) or input columns (dim 1) start:start+length: one tensor-parallel rank's part."""
+        """Rows (dim 0) or input columns (dim 1) start:start+length: one tensor-parallel rank's part (a copy, so
+        the whole tensor it came from is freed)."""
+        return contiguous(self._narrow(dim, start, length))
+
+    def _narrow(self, dim: int, start: int, length: int) -> IntWeight:
         if dim == 0:
             return replace(self, packed=self.packed[start:start + length], scale=self.scale[start:start + length],
                            zero=self.zero[start:start + length])
@@ -92,7 +96,15 @@ class Fp8Weight:
             scale = self.scale[start:start + length]
         else:
             scale = self.scale
-        return replace(self, weight=weight, scale=scale)
+        return contiguous(replace(self, weight=weight, scale=scale))
+
+
+KERNEL_MAX_ROWS = 64  # measured crossover with dequantize-then-matmul (bench/quantized.py, docs/benchmarks.md)
+
+
+def _kernel_reads(p) -> bool:
+    return (isinstance(p, IntWeight) and p.g_idx is None and p.group_size % 8 == 0 and p.shape[1] % 8 == 0
+            and p.packed.is_contiguous() and p.scale.is_contiguous() and p.zero.is_contiguous())
 
 
 @dataclass
@@ -110,6 +122,18 @@ class QuantizedWeight:
             return self.parts[0].dequantize(dtype)
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+        """x @ w.T (+ bias). `kernel`: the CPU's int4/int8 kernel (pagekube/kernels/int_linear.cpp) where every
+        part is an IntWeight it reads (no act order) and the step has at most KERNEL_MAX_ROWS rows; otherwise
+        the weights dequantized, then torch's matmul."""
+        if kernel and x.shape[0] <= KERNEL_MAX_ROWS and all(_kernel_reads(p) for p in self.parts):
+            xf = x.float().contiguous()
+            ys = [torch.ops.pagekube_int.int_linear(xf, p.packed, p.scale, p.zero, p.bits, p.group_size)
+                  for p in self.parts]
+            y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)).to(x.dtype)
+            return y if bias is None else y + bias
+        return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for p in self.parts for t in vars(p).values()
                    if isinstance(t, torch.Tensor))
@@ -117,3 +141,7 @@ class QuantizedWeight:
 
 def to_device(weight: IntWeight | Fp8Weight, device: torch.device) -> IntWeight | Fp8Weight:
     return replace(weight, **{k: v.to(device) for k, v in vars(weight).items() if isinstance(v, torch.Tensor)})
+
+
+def contiguous(weight: IntWeight | Fp8Weight) -> IntWeight | Fp8Weight:
+    return replace(weight, **{k: v.contiguous() for k, v in vars(weight).items() if isinstance(v, torch.Tensor)})

@@ -30,6 +30,7 @@ AMX_MAX_ROWS = 1024
 AVX512_ROWS_BEFORE_AMX = 4
 SOURCES = [Path(__file__).parent / name
            for name in ("bf16_linear.cpp", "q4_linear.cpp", "amx_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
+INT_SOURCES = [Path(__file__).parent / "int_linear.cpp"]
 _state: dict[str, bool] = {}
 
 
@@ -49,10 +50,23 @@ def batch_invariant() -> bool:
 
 def load_cpu_kernels() -> bool:
     """Build (once) and load the extension; False, with one warning in the log, where it cannot be had."""
-    if "loaded" in _state:
-        return _state["loaded"]
-    _state["loaded"] = False
-    if os.environ.get("PAGEKUBE_CPU_KERNELS", "1") == "0" or not cpu_supports_bf16_dot():
+    if "loaded" not in _state:
+        _state["loaded"] = cpu_supports_bf16_dot() and _build(
+            "pagekube_cpu", SOURCES, ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c",
+                                      "-mamx-tile", "-mamx-bf16"])
+    return _state["loaded"]
+
+
+def load_int_kernels() -> bool:
+    """The quantized-weight linear (int_linear.cpp), for any CPU with AVX2 and FMA; False where it cannot be had."""
+    if "int" not in _state:
+        _state["int"] = torch.cpu._is_avx2_supported() and _build("pagekube_cpu_int", INT_SOURCES,
+                                                                  ["-mavx2", "-mfma"])
+    return _state["int"]
+
+
+def _build(name: str, sources: list[Path], isa_flags: list[str]) -> bool:
+    if os.environ.get("PAGEKUBE_CPU_KERNELS", "1") == "0":
         return False
     from torch.utils.cpp_extension import load
 
@@ -62,20 +76,19 @@ def load_cpu_kernels() -> bool:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    build_dir = build_directory()
+    build_dir = build_directory() / ("" if name == "pagekube_cpu" else name)
     start = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        load("pagekube_cpu", [str(p) for p in SOURCES], build_directory=str(build_dir), is_python_module=False,
+        load(name, [str(p) for p in sources], build_directory=str(build_dir), is_python_module=False,
              # -fopenmp: at::parallel_for is inlined from torch's headers as `#pragma omp parallel`; without the
              # flag every kernel runs on one thread (it resolves to torch's own libgomp at load time).
-             extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mamx-tile", "-mamx-bf16"],
-             extra_ldflags=["-fopenmp"])
+             extra_cflags=["-O3", "-fopenmp", *isa_flags], extra_ldflags=["-fopenmp"])
     except Exception as err:  # no compiler (the engine images have none), a read-only home, an old toolchain
-        log.warning({"msg": "CPU kernels unavailable; using torch's ops", "error": str(err)[-500:]})
+        log.warning({"msg": "CPU kernels unavailable; using torch's ops", "kernels": name,
+                     "error": str(err)[-500:]})
         return False
-    log.info({"msg": "CPU kernels ready", "seconds": round(time.perf_counter() - start, 1)})
-    _state["loaded"] = True
+    log.info({"msg": "CPU kernels ready", "kernels": name, "seconds": round(time.perf_counter() - start, 1)})
     return True
 
 
@@ -107,12 +120,14 @@ class CpuKernels:
     batch_invariant: bool = True  # False: the AVX-512 kernels keep steps of up to AVX512_ROWS_BEFORE_AMX rows
     fused: bool = False  # RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write
     decode_attention: bool = False  # paged decode attention, reading K/V in place
+    int_linear: bool = False  # a quantized checkpoint's int4/int8 Linears (int_linear.cpp: AVX2, any dtype)
 
     @classmethod
     def for_model(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels:
         on = loaded() and device.type == "cpu" and dtype == torch.bfloat16
         return cls(linear=on, q4=on, amx=on and cpu_supports_amx(), batch_invariant=batch_invariant(), fused=on,
-                   decode_attention=on and head_dim % 16 == 0 and head_dim <= 256)
+                   decode_attention=on and head_dim % 16 == 0 and head_dim <= 256,
+                   int_linear=device.type == "cpu" and _state.get("int", False))
 
     @property
     def names(self) -> list[str]:

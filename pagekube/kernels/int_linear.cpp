@@ -1,0 +1,96 @@
+// Linear over int4/int8 group-quantized weights (engine/quantization/packed.py IntWeight), for any x86 CPU with
+// AVX2 and FMA: y = x @ w.T with w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k / group_size; x and y
+// float32. A decode step is bound by reading the weights, and int4 is half a byte per weight against float32's 4.
+// Each weight row is dequantized once per call into a float buffer (exactly as the torch reference computes it:
+// the integer difference, then one multiply), then dotted with every row of x. A row's sums run in the same order
+// whatever the number of rows, so its result does not depend on its batch. K and group_size are multiples of 8.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "row_blocks.h"
+
+namespace {
+
+// Weight row n as float32 into w[0..K).
+void dequantize_row(const uint8_t* q, const float* scale, const uint8_t* zero, int64_t K, int64_t group_size,
+                    int64_t bits, float* w) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);  // column i at bits 4i of its word
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    const __m256i z = _mm256_set1_epi32(zero[g]);
+    const __m256 s = _mm256_set1_ps(scale[g]);
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) {
+      __m256i qi;
+      if (bits == 4) {
+        uint32_t word;
+        std::memcpy(&word, q + k / 2, 4);
+        qi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), nibble);
+      } else {
+        qi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
+      }
+      _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi, z)), s));
+    }
+  }
+}
+
+float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows [m0, m0 + MB) of x against one dequantized weight row.
+template <int MB>
+void dot_rows(const float* w, const float* x, int64_t K, float* y, int64_t N, int64_t n, int64_t m0) {
+  __m256 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 wv = _mm256_loadu_ps(w + k);
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + i) * K + k), acc[i]);
+  }
+  for (int i = 0; i < MB; ++i) y[(m0 + i) * N + n] = hsum(acc[i]);
+}
+
+at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                      int64_t bits, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(K % 8 == 0 && group_size % 8 == 0 && K % group_size == 0, "K and group_size: multiples of 8");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) * 8 == K * bits,
+              "packed: contiguous uint8 [N, K * bits / 8]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == N &&
+                  scale.size(1) == K / group_size, "scale: contiguous float32 [N, K / group_size]");
+  TORCH_CHECK(zero.scalar_type() == at::kByte && zero.is_contiguous() && zero.sizes() == scale.sizes(),
+              "zero: contiguous uint8 like scale");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const uint8_t* zp = zero.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = K / group_size, row_bytes = K * bits / 8;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> w(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      dequantize_row(qp + n * row_bytes, sp + n * groups, zp + n * groups, K, group_size, bits, w.data());
+      pagekube_rows::for_row_blocks(M, [&](auto mb, int64_t m) {
+        dot_rows<decltype(mb)::value>(w.data(), xp, K, yp, N, n, m);
+      });
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagekube_int, m) {
+  m.def("int_linear(Tensor input, Tensor packed, Tensor scale, Tensor zero, int bits, int group_size) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(pagekube_int, CPU, m) { m.impl("int_linear", &int_linear); }
