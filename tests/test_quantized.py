@@ -356,3 +356,26 @@ def test_the_cpu_int_kernel_computes_the_dequantized_matmul_for_any_row_count(bi
         assert torch.equal(got[0], weight.linear(x[:1], bias, kernel=True)[0])  # a row's result: batch invariant
     torch.testing.assert_close(weight.linear(x[:4].bfloat16(), None, kernel=True).float(),
                                x[:4].bfloat16().float() @ weight.dequantize(torch.float32).t(), rtol=2e-2, atol=0.3)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_the_cpu_fp8_kernel_computes_the_dequantized_matmul(strategy):
+    from pagekube.engine.quantization.packed import Fp8Weight, QuantizedWeight
+    from pagekube.kernels.cpu_ops import load_int_kernels
+
+    if not load_int_kernels():
+        pytest.skip("no AVX2 or no C++ compiler: the torch path runs")
+    n, k = 256, 384
+    every_value = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    every_value = every_value[every_value.isfinite()]  # all 254 finite e4m3 values, subnormals included
+    w8 = every_value[torch.randint(0, every_value.numel(), (n, k))].to(torch.float8_e4m3fn)
+    scale = {"tensor": torch.tensor([[0.02]]), "channel": torch.rand(n, 1) + 0.01,
+             "block": torch.rand(2, 3) + 0.01}[strategy]
+    weight = QuantizedWeight([Fp8Weight(w8, scale, (128, 128) if strategy == "block" else None)])
+    x = torch.randn(9, k)
+    reference = x @ weight.dequantize(torch.float32).t()
+    assert weight.kernel_args is None
+    torch.testing.assert_close(weight.linear(x, None, kernel=True), reference, rtol=1e-4, atol=1e-3)
+    assert weight.kernel_args[0][0] == torch.ops.pagekube_int.fp8_linear  # the kernel ran, not the fallback
+    one_hot = torch.eye(k)[:8]  # each weight exactly, as the kernel dequantizes it
+    assert torch.equal(weight.linear(one_hot, None, kernel=True), weight.dequantize(torch.float32)[:, :8].t())

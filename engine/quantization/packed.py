@@ -72,6 +72,16 @@ class Fp8Weight:
     scale: torch.Tensor  # float32
     block: tuple[int, int] | None = None
 
+    def row_scales(self) -> tuple[torch.Tensor, int] | None:
+        """The scales as [N, groups] with `group_size` columns each, as the CPU kernel reads them; None where
+        blocks do not tile the columns."""
+        n, k = self.shape
+        if self.block is None:
+            return self.scale.expand(n, 1).contiguous(), k
+        if k % self.block[1]:
+            return None
+        return self.scale.repeat_interleave(self.block[0], 0)[:n].contiguous(), self.block[1]
+
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
@@ -102,9 +112,19 @@ class Fp8Weight:
 KERNEL_MAX_ROWS = 64  # measured crossover with dequantize-then-matmul (bench/quantized.py, docs/benchmarks.md)
 
 
-def _kernel_reads(p) -> bool:
-    return (isinstance(p, IntWeight) and p.g_idx is None and p.group_size % 8 == 0 and p.shape[1] % 8 == 0
-            and p.packed.is_contiguous() and p.scale.is_contiguous() and p.zero.is_contiguous())
+def _kernel_args(p: IntWeight | Fp8Weight) -> tuple | None:
+    """(the CPU kernel, its arguments after x) for one part; None where the kernel does not read it."""
+    if p.shape[1] % 8:
+        return None
+    if isinstance(p, Fp8Weight):
+        scales = p.row_scales()
+        if scales is None or scales[1] % 8:
+            return None
+        return torch.ops.pagekube_int.fp8_linear, (p.weight.contiguous().view(torch.uint8), *scales)
+    if p.g_idx is not None or p.group_size % 8:
+        return None
+    return torch.ops.pagekube_int.int_linear, (p.packed.contiguous(), p.scale.contiguous(), p.zero.contiguous(),
+                                               p.bits, p.group_size)
 
 
 @dataclass
@@ -112,6 +132,7 @@ class QuantizedWeight:
     """A Linear's weight as its checkpoint projections, stacked by rows (one part unless the Linear is fused)."""
 
     parts: list[IntWeight | Fp8Weight]
+    kernel_args: list | None = None  # per part, what the CPU kernel is called with (built on first use)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -126,12 +147,14 @@ class QuantizedWeight:
         """x @ w.T (+ bias). `kernel`: the CPU's int4/int8 kernel (pagekube/kernels/int_linear.cpp) where every
         part is an IntWeight it reads (no act order) and the step has at most KERNEL_MAX_ROWS rows; otherwise
         the weights dequantized, then torch's matmul."""
-        if kernel and x.shape[0] <= KERNEL_MAX_ROWS and all(_kernel_reads(p) for p in self.parts):
-            xf = x.float().contiguous()
-            ys = [torch.ops.pagekube_int.int_linear(xf, p.packed, p.scale, p.zero, p.bits, p.group_size)
-                  for p in self.parts]
-            y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)).to(x.dtype)
-            return y if bias is None else y + bias
+        if kernel and x.shape[0] <= KERNEL_MAX_ROWS:
+            if self.kernel_args is None:
+                self.kernel_args = [_kernel_args(p) for p in self.parts]
+            if all(a is not None for a in self.kernel_args):
+                xf = x.float().contiguous()
+                ys = [op(xf, *args) for op, args in self.kernel_args]
+                y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)).to(x.dtype)
+                return y if bias is None else y + bias
         return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
 
     def nbytes(self) -> int:

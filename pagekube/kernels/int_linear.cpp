@@ -1,9 +1,9 @@
-// Linear over int4/int8 group-quantized weights (engine/quantization/packed.py IntWeight), for any x86 CPU with
-// AVX2 and FMA: y = x @ w.T with w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k / group_size; x and y
-// float32. A decode step is bound by reading the weights, and int4 is half a byte per weight against float32's 4.
-// Each weight row is dequantized once per call into a float buffer (exactly as the torch reference computes it:
-// the integer difference, then one multiply), then dotted with every row of x. A row's sums run in the same order
-// whatever the number of rows, so its result does not depend on its batch. K and group_size are multiples of 8.
+// Linear over a quantized checkpoint's weights (engine/quantization/packed.py), for any x86 CPU with AVX2 and
+// FMA: y = x @ w.T with w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] (int4/int8) or e4m3[n, k] * scale[n, g]
+// (FP8), g = k / group_size; x and y float32. A decode step is bound by reading the weights: int4 is half a byte
+// per weight, FP8 one, against float32's 4. Each weight row is dequantized once per call into a float buffer
+// (exactly as the torch reference computes it), then dotted with every row of x. A row's sums run in the same
+// order whatever the number of rows, so its result does not depend on its batch. K and group_size: multiples of 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,6 +38,24 @@ void dequantize_row(const uint8_t* q, const float* scale, const uint8_t* zero, i
   }
 }
 
+// FP8 e4m3 weight row n, times its scales (one per `group_size` columns), into w[0..K). The e4m3 bits moved
+// into a float32's exponent and mantissa fields read as 2^-120 times the value (normal and subnormal alike), so
+// one multiply by 2^120 gives it exactly; then one multiply by the scale, as torch's `w.float() * scale`.
+void dequantize_fp8_row(const uint8_t* q, const float* scale, int64_t K, int64_t group_size, float* w) {
+  const __m256 two_120 = _mm256_set1_ps(1.329228e36f);  // 2^120
+  const __m256i magnitude = _mm256_set1_epi32(0x7F), sign = _mm256_set1_epi32(0x80);
+  for (int64_t g = 0; g < K / group_size; ++g) {
+    const __m256 s = _mm256_set1_ps(scale[g]);
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
+      const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(v, magnitude), 20),
+                                           _mm256_slli_epi32(_mm256_and_si256(v, sign), 24));
+      const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(bits), two_120);
+      _mm256_storeu_ps(w + k, _mm256_mul_ps(value, s));
+    }
+  }
+}
+
 float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -57,29 +75,17 @@ void dot_rows(const float* w, const float* x, int64_t K, float* y, int64_t N, in
   for (int i = 0; i < MB; ++i) y[(m0 + i) * N + n] = hsum(acc[i]);
 }
 
-at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                      int64_t bits, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(K % 8 == 0 && group_size % 8 == 0 && K % group_size == 0, "K and group_size: multiples of 8");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) * 8 == K * bits,
-              "packed: contiguous uint8 [N, K * bits / 8]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == N &&
-                  scale.size(1) == K / group_size, "scale: contiguous float32 [N, K / group_size]");
-  TORCH_CHECK(zero.scalar_type() == at::kByte && zero.is_contiguous() && zero.sizes() == scale.sizes(),
-              "zero: contiguous uint8 like scale");
+// y = x @ w.T, each weight row dequantized once by `dequantize(n, w)` and dotted with every row of x.
+template <typename Dequantize>
+at::Tensor linear(const at::Tensor& x, int64_t N, Dequantize dequantize) {
+  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const uint8_t* qp = packed.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const uint8_t* zp = zero.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t groups = K / group_size, row_bytes = K * bits / 8;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> w(K);
     for (int64_t n = n0; n < n1; ++n) {
-      dequantize_row(qp + n * row_bytes, sp + n * groups, zp + n * groups, K, group_size, bits, w.data());
+      dequantize(n, w.data());
       pagekube_rows::for_row_blocks(M, [&](auto mb, int64_t m) {
         dot_rows<decltype(mb)::value>(w.data(), xp, K, yp, N, n, m);
       });
@@ -88,9 +94,50 @@ at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return y;
 }
 
+void check_x_and_scale(const at::Tensor& x, const at::Tensor& scale, int64_t N, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 8 == 0 && group_size % 8 == 0 && K % group_size == 0, "K and group_size: multiples of 8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == N &&
+                  scale.size(1) == K / group_size, "scale: contiguous float32 [N, K / group_size]");
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t group_size) {
+  const int64_t N = weight.size(0), K = x.size(1);
+  check_x_and_scale(x, scale, N, group_size);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.size(1) == K,
+              "weight: the e4m3 bytes as contiguous uint8 [N, K]");
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t groups = K / group_size;
+  return linear(x, N, [&](int64_t n, float* w) { dequantize_fp8_row(wp + n * K, sp + n * groups, K, group_size, w); });
+}
+
+at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                      int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  const int64_t N = packed.size(0), K = x.size(1);
+  check_x_and_scale(x, scale, N, group_size);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(1) * 8 == K * bits,
+              "packed: contiguous uint8 [N, K * bits / 8]");
+  TORCH_CHECK(zero.scalar_type() == at::kByte && zero.is_contiguous() && zero.sizes() == scale.sizes(),
+              "zero: contiguous uint8 like scale");
+  const uint8_t* qp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const uint8_t* zp = zero.data_ptr<uint8_t>();
+  const int64_t groups = K / group_size, row_bytes = K * bits / 8;
+  return linear(x, N, [&](int64_t n, float* w) {
+    dequantize_row(qp + n * row_bytes, sp + n * groups, zp + n * groups, K, group_size, bits, w);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagekube_int, m) {
   m.def("int_linear(Tensor input, Tensor packed, Tensor scale, Tensor zero, int bits, int group_size) -> Tensor");
+  m.def("fp8_linear(Tensor input, Tensor weight, Tensor scale, int group_size) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(pagekube_int, CPU, m) { m.impl("int_linear", &int_linear); }
+TORCH_LIBRARY_IMPL(pagekube_int, CPU, m) {
+  m.impl("int_linear", &int_linear);
+  m.impl("fp8_linear", &fp8_linear);
+}
