@@ -20,7 +20,7 @@ def serve(bundled_dir, *flags: str) -> ServerProcess:
 
 
 async def burst(url: str, bodies: list[dict], path: str) -> list[httpx.Response]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:  # slow, loaded CI machines
         return await asyncio.gather(*(client.post(path, json=b) for b in bodies))
 
 
@@ -28,7 +28,7 @@ def test_a_burst_gets_at_most_max_num_seqs_plus_max_waiting_accepted_and_429_for
     srv = serve(bundled_dir, "--max-num-seqs", "2", "--max-waiting-requests", "4",
                 "--kv-cache-memory", str(64 * 1024**2))
     try:
-        body = {"model": MODEL, "prompt": "Tell me a long story about a dragon.", "max_tokens": 150,
+        body = {"model": MODEL, "prompt": "Tell me a long story about a dragon.", "max_tokens": 64,
                 "ignore_eos": True, "temperature": 0}
         replies = asyncio.run(burst(srv.url, [body] * 40, "/v1/completions"))
         codes = [r.status_code for r in replies]
