@@ -272,21 +272,8 @@ class CausalLM(nn.Module):
                 return target, params[target].narrow(0, sum(sizes[:index]), sizes[index])
         return None
 
-    def projection_target(self, module: str) -> tuple[str, int] | None:
-        """The Linear a checkpoint projection (e.g. model.layers.0.self_attn.k_proj) loads into, and its row block
-        there (its index among a fused Linear's projections, else 0); None where there is no such Linear."""
-        if not module.startswith(("model.", "lm_head")):
-            module = "model." + module
-        *path, leaf = module.split(".")
-        fused, index = self.stacked_params.get(leaf, (leaf, 0))
-        name = ".".join([*path, fused])
-        try:
-            return (name, index) if isinstance(self.get_submodule(name), Linear) else None
-        except AttributeError:
-            return None
-
     def projections(self, linear: str) -> list[str]:
-        """The checkpoint projections a Linear of this model is loaded from, in row order (inverse of the above)."""
+        """The checkpoint projections a Linear of this model is loaded from, in row order (q, k, v for qkv_proj)."""
         *path, leaf = linear.split(".")
         parts = sorted((i, p) for p, (fused, i) in self.stacked_params.items() if fused == leaf) or [(0, leaf)]
         return [".".join([*path, p]) for _, p in parts]

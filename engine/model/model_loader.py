@@ -74,7 +74,7 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
                             dest = dest[:length]
                     if tensor.shape != dest.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dest.shape)}")
-                    if dest.is_floating_point() and not tensor.is_floating_point() or tensor.element_size() == 1:
+                    if tensor.element_size() == 1 or (dest.is_floating_point() and not tensor.is_floating_point()):
                         raise schemes.QuantizationError(f"{name}: {tensor.dtype} weights in a checkpoint whose "
                                                         "config.json does not say how they are quantized")
                     with torch.no_grad():

@@ -1,7 +1,8 @@
 """The CPU extension: the small-batch linears over bf16 weights (bf16_linear.cpp) and over GGUF Q4_1 blocks
 (q4_linear.cpp), the same linears on AMX tiles at any row count (amx_linear.cpp), paged decode attention
 (paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp: RMSNorm with the residual add, SiLU-and-mul,
-RoPE with the KV write).
+RoPE with the KV write). A second, smaller extension (int_linear.cpp) holds the quantized checkpoints' linear:
+it needs only AVX2, so it is built apart.
 
 Compiled on first use with torch.utils.cpp_extension into ~/.cache/pagekube/torch_extensions (about 15 s, once per
 machine and torch version). Without a C++ compiler, without AVX512_BF16, or with PAGEKUBE_CPU_KERNELS=0 the engine
@@ -120,7 +121,7 @@ class CpuKernels:
     batch_invariant: bool = True  # False: the AVX-512 kernels keep steps of up to AVX512_ROWS_BEFORE_AMX rows
     fused: bool = False  # RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write
     decode_attention: bool = False  # paged decode attention, reading K/V in place
-    int_linear: bool = False  # a quantized checkpoint's int4/int8 Linears (int_linear.cpp: AVX2, any dtype)
+    int_linear: bool = False  # a quantized checkpoint's int4/int8/FP8 Linears (int_linear.cpp: AVX2, any dtype)
 
     @classmethod
     def for_model(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels:
