@@ -1,18 +1,18 @@
 // Linear over a quantized checkpoint's weights (engine/quantization/packed.py), for any x86 CPU with AVX2 and
 // FMA: y = x @ w.T with w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] (int4/int8) or e4m3[n, k] * scale[n, g]
 // (FP8), g = k / group_size; x and y float32. A decode step is bound by reading the weights: int4 is half a byte
-// per weight, FP8 one, against float32's 4. Each weight row is dequantized once per call into a float buffer
-// (exactly as the torch reference computes it), then dotted with every row of x. A row's sums run in the same
-// order whatever the number of rows, so its result does not depend on its batch. K and group_size: multiples of 8.
+// per weight, FP8 one, against float32's 4. Weight rows are dequantized once per call into a float buffer
+// (exactly as the torch reference computes them), four at a time, then dotted with every row of x. A row's sums
+// run in the same order whatever the number of rows, so its result does not depend on its batch. K and
+// group_size: multiples of 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
-
-#include "row_blocks.h"
 
 namespace {
 
@@ -63,32 +63,55 @@ float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Rows [m0, m0 + MB) of x against one dequantized weight row.
-template <int MB>
-void dot_rows(const float* w, const float* x, int64_t K, float* y, int64_t N, int64_t n, int64_t m0) {
-  __m256 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+constexpr int kNB = 4;  // weight rows per pass over x
+constexpr int kMB = 3;  // rows of x per pass: kNB x kMB accumulators, 12 of AVX2's 16 registers
+
+// Rows [m0, m0 + MB) of x against NB dequantized weight rows (w: NB rows of K), each sum over k in order.
+template <int NB, int MB>
+void dot_block(const float* w, const float* x, int64_t K, float* y, int64_t N, int64_t n0, int64_t m0) {
+  __m256 acc[NB][MB];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) acc[j][i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
-    const __m256 wv = _mm256_loadu_ps(w + k);
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (m0 + i) * K + k), acc[i]);
+    __m256 xv[MB];
+    for (int i = 0; i < MB; ++i) xv[i] = _mm256_loadu_ps(x + (m0 + i) * K + k);
+    for (int j = 0; j < NB; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+      for (int i = 0; i < MB; ++i) acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
+    }
   }
-  for (int i = 0; i < MB; ++i) y[(m0 + i) * N + n] = hsum(acc[i]);
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) y[(m0 + i) * N + n0 + j] = hsum(acc[j][i]);
 }
 
-// y = x @ w.T, each weight row dequantized once by `dequantize(n, w)` and dotted with every row of x.
+// Every row of x against NB dequantized weight rows.
+template <int NB>
+void dot_all_rows(const float* w, const float* x, int64_t M, int64_t K, float* y, int64_t N, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kMB <= M; m += kMB) dot_block<NB, kMB>(w, x, K, y, N, n0, m);
+  if (M - m == 2) dot_block<NB, 2>(w, x, K, y, N, n0, m);
+  if (M - m == 1) dot_block<NB, 1>(w, x, K, y, N, n0, m);
+}
+
+// y = x @ w.T: kNB weight rows at a time dequantized by `dequantize(n, w)`, then dotted with every row of x (each
+// pass over x serves kNB weight rows, so x is read N / kNB times, from cache).
 template <typename Dequantize>
 at::Tensor linear(const at::Tensor& x, int64_t N, Dequantize dequantize) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> w(K);
-    for (int64_t n = n0; n < n1; ++n) {
-      dequantize(n, w.data());
-      pagekube_rows::for_row_blocks(M, [&](auto mb, int64_t m) {
-        dot_rows<decltype(mb)::value>(w.data(), xp, K, yp, N, n, m);
-      });
+  at::parallel_for(0, (N + kNB - 1) / kNB, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<float> w(kNB * K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kNB, nb = std::min<int64_t>(kNB, N - n0);
+      for (int64_t j = 0; j < nb; ++j) dequantize(n0 + j, w.data() + j * K);
+      switch (nb) {
+        case 4: dot_all_rows<4>(w.data(), xp, M, K, yp, N, n0); break;
+        case 3: dot_all_rows<3>(w.data(), xp, M, K, yp, N, n0); break;
+        case 2: dot_all_rows<2>(w.data(), xp, M, K, yp, N, n0); break;
+        default: dot_all_rows<1>(w.data(), xp, M, K, yp, N, n0);
+      }
     }
   });
   return y;
