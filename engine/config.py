@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagekube.engine.kv_events.config import KVEventsConfig
 from pagekube.engine.lora.modules import LoRAModulePath, parse_lora_modules
 from pagekube.engine.pooling.pooler_config import PoolerConfig
 from pagekube.engine.spec_decode.speculative import SpeculativeConfig
@@ -78,6 +79,9 @@ class EngineConfig(BaseModel):
     quantization: Literal["compressed-tensors", "awq", "gptq", "fp8", "gguf"] | None = Field(
         None, description="Weight quantization of the checkpoint (vLLM's -q); default: what its config.json says "
                           "(quantization_config); gguf: a .gguf file")
+    kv_events_config: KVEventsConfig | None = Field(
+        None, description='Publish prefix-cache changes as vLLM does, as JSON: {"enable_kv_cache_events": true, '
+                          '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": ""}')
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (-pp); only 1 is supported yet")
 
     @field_validator("speculative_config", mode="before")
@@ -89,6 +93,11 @@ class EngineConfig(BaseModel):
     @classmethod
     def _parse_pooler_config(cls, value):
         return PoolerConfig.parse(value) if value is not None else None
+
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _parse_kv_events_config(cls, value):
+        return KVEventsConfig.parse(value) if value is not None else None
 
     @field_validator("lora_modules", mode="before")
     @classmethod

@@ -17,6 +17,7 @@ from pagekube.engine.detokenizer import start_detokenizer
 from pagekube.engine.distributed.tensor_parallel import TPShard, unsupported
 from pagekube.engine.distributed.tp_workers import Workers, init_distributed
 from pagekube.engine.errors import AdapterError, RequestRejected
+from pagekube.engine.kv_events.events import KVEventBatch
 from pagekube.engine.lora.manager import LoRAManager
 from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.model.model_files import BUNDLED_NAME, resolve_model_dir
@@ -89,6 +90,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else None)
+        self.kv_events = self._start_kv_events()
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
@@ -138,8 +140,25 @@ class LLMEngine:
         log.info("tensor parallel: %d ranks (this process is rank 0)", size)
         return TPShard(0, size), control
 
+    def _start_kv_events(self):
+        events = self.config.kv_events_config
+        if events is None or not events.publishes:
+            return None
+        from pagekube.engine.kv_events.publisher import ZmqEventPublisher
+
+        publisher = ZmqEventPublisher(events)
+        self.block_manager.record_kv_events()
+        return publisher
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None and (events := self.block_manager.take_kv_events()):
+            self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
+
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them)."""
+        """Stop the KV-event publisher and the tensor-parallel workers."""
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
         if self.workers is not None:
             self.workers.stop(getattr(self, "runner", None))
             self.workers = None
@@ -333,6 +352,7 @@ class LLMEngine:
             return self._run_step(batch)
         finally:
             self.scheduler.end_step(batch)
+            self._publish_kv_events()
 
     def _run_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         now = time.monotonic()

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from pagekube.engine.core import block_hash as hashing
 from pagekube.engine.core.block_manager import BlockManager
 from pagekube.engine.core.sequence import Request, Sequence
+from pagekube.engine.kv_events import events as kv
 from pagekube.engine.sampling_params import SamplingParams
 
 BS = 4
@@ -153,6 +154,9 @@ def test_lru_eviction_reuses_the_least_recently_freed_cached_block_first():
                 max_size=60))
 def test_random_operations_never_leak_or_double_free(ops):
     bm = BlockManager(24, BS)
+    bm.record_kv_events()
+    announced: set[int] = set()  # what a KV-event subscriber believes the cache holds
+    ever: set[int] = set()  # (a parent may since have been evicted: its copy in the sequence was a duplicate)
     live: list[Sequence] = []
     for op, arg in ops:
         if op == "new":
@@ -201,6 +205,20 @@ def test_random_operations_never_leak_or_double_free(ops):
             for i, b in enumerate(s.block_table):
                 filled[b] = max(filled.get(b, 0), min(BS, s.num_tokens - i * BS))
         assert bm.tokens_held == sum(filled.values())
+        # KV events: a subscriber that applies them holds exactly the prefix cache's blocks, and every stored run
+        # extends a block announced before (or starts a prompt).
+        for event in bm.take_kv_events():
+            if isinstance(event, kv.AllBlocksCleared):
+                announced.clear()
+            elif isinstance(event, kv.BlockStored):
+                assert event.parent_block_hash is None or event.parent_block_hash in ever
+                assert not announced & set(event.block_hashes)
+                announced |= set(event.block_hashes)
+                ever |= set(event.block_hashes)
+            else:
+                assert set(event.block_hashes) <= announced
+                announced -= set(event.block_hashes)
+        assert announced == {kv.external_hash(h) for h in bm.cached}
     bm.take_pending_copies()
     for s in live:
         bm.free(s)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagekube.engine.core import block_hash as hashing
 from pagekube.engine.core.sequence import Sequence
+from pagekube.engine.kv_events import events as kv
 
 
 @dataclass
@@ -37,6 +38,20 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens served from cache
         self.tokens_held = 0  # written slots over blocks in use, shared blocks once: kept as blocks change
+        # Prefix-cache changes as vLLM's KV events (engine/kv_events/), when a publisher takes them: a block enters
+        # when it is registered and leaves when it is evicted, so a subscriber's view equals `cached`.
+        self.kv_events: list[kv.KVCacheEvent] | None = None
+
+    def record_kv_events(self) -> None:
+        """Start recording (the engine drains `kv_events` after each step); subscribers first learn the cache
+        holds nothing, so a restarted engine's old blocks are forgotten."""
+        self.kv_events = [kv.AllBlocksCleared()]
+
+    def take_kv_events(self) -> list[kv.KVCacheEvent]:
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     # ---- capacity -----------------------------------------------------------------------------------------
     @property
@@ -73,6 +88,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        stored = None  # this call's run of newly registered blocks: one BlockStored, as vLLM sends per request
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             chunk = seq.token_ids[i * bs : (i + 1) * bs]
             parent = seq.block_hashes[-1] if seq.block_hashes else None
@@ -82,6 +98,22 @@ class BlockManager:
             if h not in self.cached and block.hash is None:
                 block.hash, block.token_ids = h, tuple(chunk)
                 self.cached[h] = block.block_id
+                if self.kv_events is not None:
+                    stored = self._record_stored(stored, seq, parent, h, chunk)
+            else:
+                stored = None
+
+    def _record_stored(self, stored: kv.BlockStored | None, seq: Sequence, parent: bytes | None, h: bytes,
+                       chunk: list[int]) -> kv.BlockStored:
+        if stored is None:
+            lora = seq.request.lora
+            stored = kv.BlockStored(block_hashes=[], parent_block_hash=None if parent is None else kv.external_hash(parent),
+                                    token_ids=[], block_size=self.block_size, lora_id=None if lora is None else lora.id,
+                                    medium=kv.MEDIUM, lora_name=None if lora is None else lora.name)
+            self.kv_events.append(stored)
+        stored.block_hashes.append(kv.external_hash(h))
+        stored.token_ids.extend(chunk)
+        return stored
 
     # ---- allocation ---------------------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = (),
@@ -193,6 +225,8 @@ class BlockManager:
         if block.hash is not None:  # lazy eviction of its prefix-cache entry
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.kv_events is not None:
+                    self.kv_events.append(kv.BlockRemoved(block_hashes=[kv.external_hash(block.hash)], medium=kv.MEDIUM))
             block.hash = block.token_ids = None
         block.ref_count = 1
         return block_id
