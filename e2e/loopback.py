@@ -1,5 +1,6 @@
 """Real nginx and Prometheus processes on loopback for the serving e2e tests (each stopped by the test that
-started it). nginx runs the operator's own rendered config; only upstream addresses and the listen port differ."""
+started it). nginx runs the operator's own rendered config and router script; only upstream addresses, the listen port and
+the script's folder differ."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import httpx
 import yaml
 
 from e2e.waiting import wait_for
-from pagekube.operator.nginx import render_nginx_conf
+from pagekube.operator.nginx import SCRIPT_KEY, prefix_route_script, render_nginx_conf
 from pagekube.operator.spec import LLMDeploymentSpec
 from tests.server_process import free_port
 
@@ -39,8 +40,10 @@ class Nginx:
         return f"http://127.0.0.1:{self.port}"
 
     def write(self, upstreams):
-        conf = render_nginx_conf(self.spec, upstreams, listen=f"127.0.0.1:{self.port}", backups=self.backups)
+        conf = render_nginx_conf(self.spec, upstreams, listen=f"127.0.0.1:{self.port}", backups=self.backups,
+                                 script_dir=str(self.dir))
         (self.dir / "nginx.conf").write_text(conf)
+        (self.dir / SCRIPT_KEY).write_text(prefix_route_script())
 
     def command(self, *extra):
         return ["nginx", "-p", str(self.dir), "-e", "stderr", "-c", str(self.dir / "nginx.conf"), *extra]

@@ -222,6 +222,9 @@ def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, 
     ({"adapters": [{"name": "sql adapter", "source": "hf://o/a"}]}, "spec.adapters[0].name in body should match"),
     ({"adapters": [{"name": "a", "source": "hf://o/a"}], "resources": {"gpu": 2}, "engine": {"tensorParallelSize": 2}},
      "LoRA with engine.tensorParallelSize > 1 is not supported yet"),
+    ({"loadBalancer": {"strategy": "RoundRobin"}}, 'spec.loadBalancer.strategy: Unsupported value: "RoundRobin"'),
+    ({"loadBalancer": {"prefixHash": {"maxConnectionsPerReplica": 0}}},
+     "spec.loadBalancer.prefixHash.maxConnectionsPerReplica: Invalid value: 0"),
 ])
 def test_invalid_manifests_are_refused_by_the_api_server(control_plane, spec, message):
     doc = yaml.safe_load(manifest("bad", "default"))

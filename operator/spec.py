@@ -229,8 +229,23 @@ class AutoscalingSpec(_Spec):
         return self.enabled and self.min_replicas == 0
 
 
+class PrefixHashSpec(_Spec):
+    """Which replica a request's prefix goes to (operator/nginx.py). A fixed bound per replica, not KubeAI's load
+    factor: nginx counts each replica's connections but keeps no mean over them, and a bound needs no shared state."""
+
+    prefix_characters: int = Field(100, ge=1, le=1_000_000, description="Characters of the system and first user "
+                                   "message (chat) or of the prompt that, with the model name, pick the replica")
+    max_connections_per_replica: int | None = Field(
+        None, ge=1, description="Requests one NGINX pod sends one engine at once before its keys spill to the next "
+                                "replica on the ring (default: engine.maxNumSeqs / loadBalancer.replicas)")
+
+
 class LoadBalancerSpec(_Spec):
     enabled: bool = True
+    strategy: Literal["LeastConnections", "PrefixHash"] = Field(
+        "LeastConnections", description="LeastConnections: the least busy replica; PrefixHash: requests that share a "
+                                        "prefix go to one replica (its prefix cache), bounded by prefixHash")
+    prefix_hash: PrefixHashSpec = Field(default_factory=PrefixHashSpec)
     replicas: int = Field(2, ge=1, le=100)
     image: str = Field(DEFAULT_NGINX_IMAGE, min_length=1)
     read_timeout_seconds: int = Field(600, ge=1, le=86400, description="Longest wait for the next byte of a response")

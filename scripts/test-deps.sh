@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the tests start for real besides Python: nginx and Prometheus/promtool (Debian packages; g++ for the CPU extension), the control
+# What the tests start for real besides Python: nginx (with njs) and Prometheus/promtool (Debian packages; g++ for the CPU extension), the control
 # plane + kubectl/helm + third-party CRDs (built or fetched once into ~/.cache/pagekube by e2e/controlplane/build.sh), and the real
 # node: containerd, runc, CNI plugins, buildah, debootstrap (Debian), its binaries and images (e2e/node/images.sh).
 # Idempotent and quick once done.
@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
 command -v nginx >/dev/null || missing+=(nginx-light)
+[ -f /usr/lib/nginx/modules/ngx_http_js_module.so ] || missing+=(libnginx-mod-http-js)  # njs: PrefixHash's router
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v g++ >/dev/null || missing+=(g++)  # builds the CPU extension (pagekube/kernels/*.cpp)
 # The real node (e2e/node): container runtime, CNI plugins, kube-proxy's tools, and the image builders

@@ -23,7 +23,7 @@ from pagekube.operator.cli import render
 from pagekube.operator.crd import crd, crd_yaml
 from pagekube.operator.desired import desired_objects
 from pagekube.operator.engine_deployment import build_engine_deployment, engine_args, grace_period_seconds
-from pagekube.operator.nginx import render_nginx_conf
+from pagekube.operator.nginx import SCRIPT_KEY, build_nginx_configmap, prefix_route_script, render_nginx_conf
 from pagekube.operator.reconciler import contains
 from pagekube.operator.spec import LLMDeploymentSpec
 from pagekube.operator.status import compute_status, merge_transition_times, status_changed
@@ -106,8 +106,10 @@ def test_examples_themselves_validate(example):
 def test_nginx_config_passes_nginx_t(example, tmp_path):
     """The operator's config with its upstreams pointed at loopback (Debian's nginx 1.22 has no `resolve`)."""
     doc = next(d for d in yaml.safe_load_all(example.read_text()) if d["kind"] == "LLMDeployment")
-    conf = render_nginx_conf(LLMDeploymentSpec.model_validate(doc["spec"]), ["127.0.0.1:18001", "127.0.0.1:18002"])
+    spec = LLMDeploymentSpec.model_validate(doc["spec"])
+    conf = render_nginx_conf(spec, ["127.0.0.1:18001", "127.0.0.1:18002"], script_dir=str(tmp_path))
     (tmp_path / "nginx.conf").write_text(conf)
+    (tmp_path / SCRIPT_KEY).write_text(prefix_route_script())
     r = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-e", "stderr", "-c", str(tmp_path / "nginx.conf")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -144,6 +146,40 @@ def test_nginx_config_streams_and_never_replays():
     assert "error_page" not in zero and "non_idempotent" not in zero and "10.0.0.2:8081 backup;" in zero
     cluster = render_nginx_conf(spec_of(), ["x-engine-pods.ns.svc.cluster.local:8000"])
     assert "resolve max_fails" in cluster and "resolver kube-dns" in cluster
+
+
+def test_prefix_hash_routes_by_key_with_a_bound_and_falls_back_to_least_connections():
+    spec = spec_of(engine={"maxNumSeqs": 64}, loadBalancer={"replicas": 2, "strategy": "PrefixHash"})
+    conf = render_nginx_conf(spec, ["10.0.0.1:8000", "10.0.0.2:8000"])
+    prefix = conf.split("upstream engine_prefix {")[1].split("}")[0]
+    assert "hash $pagekube_route_key consistent;" in prefix
+    assert prefix.count("max_conns=32;") == 2  # default bound: each NGINX pod's share of one engine's 64 sequences
+    assert "least_conn;" in conf.split("upstream engine {")[1].split("}")[0]  # the fallback and the spill
+    assert "js_content router.route;" in conf.split("location / {")[1].split("}")[0]
+    assert "load_module /usr/lib/nginx/modules/ngx_http_js_module.so;" in conf
+    assert "js_var $pagekube_prefix_characters 100;" in conf and "client_body_buffer_size 10m;" in conf
+    # The spill replays nothing: only nginx's own "no live upstreams" 502 goes on to least connections.
+    spill = conf.split("location @spill {")[1].split("location @refused")[0]
+    assert "if ($pagekube_no_free_replica = 0)" in spill and "return 502;" in spill and "error_page" not in spill
+    bounded = render_nginx_conf(spec_of(loadBalancer={"strategy": "PrefixHash", "prefixHash": {
+        "maxConnectionsPerReplica": 3, "prefixCharacters": 500}}), ["10.0.0.1:8000"])
+    assert "max_conns=3;" in bounded and "js_var $pagekube_prefix_characters 500;" in bounded
+    # At zero replicas the activator stays least connections' backup (hash upstreams take no backup).
+    zero = render_nginx_conf(spec, ["e.ns.svc.cluster.local:8000"], backups=["a.ns.svc.cluster.local:80"])
+    assert "backup" not in zero.split("upstream engine_prefix {")[1].split("}")[0]
+    assert "a.ns.svc.cluster.local:80 resolve backup;" in zero
+    # The router ships in the ConfigMap, and changing it or the strategy rolls the NGINX pods.
+    data = build_nginx_configmap("m", "ns", spec)["data"]
+    assert data[SCRIPT_KEY] == prefix_route_script() and "function route(r)" in data[SCRIPT_KEY]
+    assert SCRIPT_KEY not in build_nginx_configmap("m", "ns", spec_of())["data"]
+    assert "js_" not in render_nginx_conf(spec_of(), ["10.0.0.1:8000"])  # LeastConnections needs no njs
+
+
+def test_prefix_hash_settings_are_validated():
+    for bad in ({"strategy": "RoundRobin"}, {"prefixHash": {"prefixCharacters": 0}},
+                {"prefixHash": {"maxConnectionsPerReplica": 0}}, {"prefixHash": {"characters": 100}}):
+        with pytest.raises(ValidationError):
+            spec_of(loadBalancer=bad)
 
 
 def test_engine_deployment_follows_spec():
