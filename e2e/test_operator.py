@@ -262,3 +262,17 @@ def test_control_plane_binaries_come_from_the_cache(control_plane):
     assert "building" not in r.stderr and "fetching" not in r.stderr
     assert "k8s-v1.35.4-etcd-v3.6.5" in r.stdout
     assert control_plane.startup_seconds > 0
+
+
+def test_gateway_inference_pool_is_created_and_pruned_on_the_api_server(control_plane, op, namespace):
+    """The InferencePool CRD (Gateway API Inference Extension v1) is installed here: the operator creates the pool
+    over the engine pods when gateway.inferencePool is set and deletes it when the field is cleared."""
+    cp, ns = control_plane, namespace
+    apply_manifest(cp, manifest("pooled", ns, gateway={"inferencePool": True, "endpointPicker": {"name": "epp"}}))
+    pool = wait_for(lambda: get(cp, "inferencepools.inference.networking.k8s.io", "pooled", "-n", ns),
+                    what="the InferencePool")
+    assert pool["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    assert pool["spec"]["endpointPickerRef"]["port"] == {"number": 9002}
+    apply_manifest(cp, manifest("pooled", ns))
+    wait_for(lambda: get(cp, "inferencepools.inference.networking.k8s.io", "pooled", "-n", ns) is None,
+             what="the InferencePool pruned")

@@ -30,7 +30,7 @@ CONTROLLER = "llmdeployment"
 PLURALS = {"Service": "services", "ConfigMap": "configmaps", "Deployment": "deployments",
            "ScaledObject": "scaledobjects", "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
            "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies",
-           "PersistentVolumeClaim": "persistentvolumeclaims"}
+           "PersistentVolumeClaim": "persistentvolumeclaims", "InferencePool": "inferencepools"}
 MANAGED = f"app.kubernetes.io/managed-by={naming.MANAGED_BY}"
 CHILD_EVENT_DELAY = 0.5  # seconds; drift is still restored well within 2 s
 

@@ -14,6 +14,7 @@ from pagekube.operator.engine_deployment import (
     build_model_cache_claim,
     uses_model_cache,
 )
+from pagekube.operator.inference_pool import build_inference_pool
 from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
 from pagekube.operator.network_policy import build_engine_network_policy
 from pagekube.operator.nginx import build_nginx_configmap, build_nginx_deployment, build_nginx_service
@@ -65,6 +66,8 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
     if spec.monitoring.prometheus_rule:
         objects.append(build_prometheus_rule(name, namespace, spec.monitoring.thresholds,
                                              spec.autoscaling.scales_to_zero))
+    if spec.gateway.inference_pool:
+        objects.append(build_inference_pool(name, namespace, spec))
     for obj in objects:
         obj["metadata"]["ownerReferences"] = [owner_reference(name, uid)]
         if obj["kind"] in ("ServiceMonitor", "PrometheusRule"):  # what the Prometheus' selectors look for

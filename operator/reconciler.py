@@ -45,8 +45,10 @@ OWNED_KINDS = [
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
 ]
-CRD_HINT = {"keda.sh/v1alpha1": "KEDA", "monitoring.coreos.com/v1": "prometheus-operator"}
+CRD_HINT = {"keda.sh/v1alpha1": "KEDA", "monitoring.coreos.com/v1": "prometheus-operator",
+            "inference.networking.k8s.io/v1": "the Gateway API Inference Extension's CRDs"}
 
 
 def contains(live, want) -> bool:

@@ -313,6 +313,20 @@ class MonitoringSpec(_Spec):
     thresholds: AlertThresholds = Field(default_factory=AlertThresholds)
 
 
+class EndpointPickerRef(_Spec):
+    """The endpoint picker (the Gateway API Inference Extension's EPP) that the gateway asks which pod to use."""
+
+    name: str = Field(min_length=1, max_length=253, description="Its Service, in this namespace")
+    port: int = Field(9002, ge=1, le=65535, description="Its Service's gRPC port")
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+
+class GatewaySpec(_Spec):
+    inference_pool: bool = Field(False, description="Render an InferencePool (inference.networking.k8s.io/v1) over "
+                                                    "the engine pods, for a gateway that routes through an endpoint picker")
+    endpoint_picker: EndpointPickerRef | None = None
+
+
 class LLMDeploymentSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
@@ -352,6 +366,7 @@ class LLMDeploymentSpec(_Spec):
     auth: AuthSpec = Field(default_factory=AuthSpec)
     drain: DrainSpec = Field(default_factory=DrainSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
 
     @model_validator(mode="after")
     def _adapters_fit(self) -> LLMDeploymentSpec:

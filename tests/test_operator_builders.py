@@ -34,6 +34,7 @@ CR_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
 }
 
 
@@ -173,6 +174,22 @@ def test_prefix_hash_routes_by_key_with_a_bound_and_falls_back_to_least_connecti
     assert data[SCRIPT_KEY] == prefix_route_script() and "function route(r)" in data[SCRIPT_KEY]
     assert SCRIPT_KEY not in build_nginx_configmap("m", "ns", spec_of())["data"]
     assert "js_" not in render_nginx_conf(spec_of(), ["10.0.0.1:8000"])  # LeastConnections needs no njs
+
+
+def test_inference_pool_selects_the_engine_pods_and_meets_the_published_schema():
+    assert not [o for o in desired_objects("m", "ns", "uid", spec_of()) if o["kind"] == "InferencePool"]
+    for gateway in ({"inferencePool": True},
+                    {"inferencePool": True, "endpointPicker": {"name": "epp", "failureMode": "FailOpen"}}):
+        spec = spec_of(gateway=gateway)
+        pool = next(o for o in desired_objects("m", "ns", "uid", spec) if o["kind"] == "InferencePool")
+        validate_custom_resource(pool)
+        engine = build_engine_deployment("m", "ns", spec)
+        labels = engine["spec"]["template"]["metadata"]["labels"]
+        assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert pool["spec"]["targetPorts"] == [{"number": naming.ENGINE_PORT}]
+        assert pool["metadata"]["ownerReferences"][0]["uid"] == "uid"
+    assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "epp", "port": {"number": 9002},
+                                                 "failureMode": "FailOpen"}
 
 
 def test_prefix_hash_settings_are_validated():
