@@ -9,7 +9,8 @@ the history so far (the engine's answers included), as a chat client does. `--co
 once, tenants interleaved. Each strategy gets freshly started engines (empty caches) and NGINX with the operator's
 config. Reported per strategy: the prefix-cache hit rate (vllm:prefix_cache_hits / queries over the 3 engines),
 TTFT p50/p99 (first streamed token, at the client), output tokens/s, the busiest replica's share of prompt tokens,
-and the most requests one replica held at once (sampled) against the bound.
+the most requests one replica held at once (sampled) against the bound, and the requests that found every replica
+at its bound (least connections took them).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from bench import plotting  # noqa: E402
 from e2e.loopback import Nginx  # noqa: E402
 from pagekube.operator.nginx import max_connections_per_replica  # noqa: E402
 from pagekube.operator.spec import LLMDeploymentSpec  # noqa: E402
-from tests.server_process import ServerProcess, metric  # noqa: E402
+from tests.server_process import ServerProcess, json_log_lines, metric  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["billing", "shipping", "returns", "warranty", "accounts", "privacy", "pricing", "outages"]
@@ -112,6 +113,7 @@ def run(strategy: str, args, workdir: Path) -> dict:
         done.set()
         sampler.join()
         after = cache_counts(engines)
+        spilled = sum(e["upstream"].startswith("engine_prefix") for e in json_log_lines(lb.dir / "nginx.out"))
     finally:
         if lb is not None:
             lb.stop()
@@ -127,7 +129,7 @@ def run(strategy: str, args, workdir: Path) -> dict:
         "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
         "tokens_per_s": round(sum(outputs) / seconds, 2),
         "busiest_share": round(max(queries) / sum(queries), 3),
-        "peak_held": peak, "bound": max_connections_per_replica(spec) if strategy == "PrefixHash" else None,
+        "spilled": spilled, "peak_held": peak, "bound": max_connections_per_replica(spec) if strategy == "PrefixHash" else None,
     }
 
 
@@ -152,14 +154,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--tenants", type=int, default=24)
-    p.add_argument("--conversations", type=int, default=1, help="conversations per tenant")
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-words", type=int, default=160, help="words in each tenant's system prompt")
+    p.add_argument("--conversations", type=int, default=2, help="conversations per tenant")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-words", type=int, default=100, help="words in each tenant's system prompt")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--bound", type=int, default=8, help="PrefixHash maxConnectionsPerReplica")
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="each engine's KV pool")
+    p.add_argument("--kv-cache-mib", type=int, default=128, help="each engine's KV pool")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
     p.add_argument("--out", type=Path, default=None, help="write JSON + PNG here (docs/bench_routing)")
     p.add_argument("--smoke", action="store_true")
@@ -171,11 +173,11 @@ def main() -> None:
         results = [run(s, args, Path(d)) for s in ("LeastConnections", "PrefixHash")]
     print(f"{args.replicas} replicas, {args.tenants} tenants x {args.conversations} x {args.turns} turns, "
           f"concurrency {args.concurrency}, system prompts of {args.system_words} words, {args.max_tokens} tokens out")
-    print("| strategy | hit rate | TTFT p50 | TTFT p99 | tokens/s | busiest replica | peak held / bound |")
-    print("|---|---|---|---|---|---|---|")
+    print("| strategy | hit rate | TTFT p50 | TTFT p99 | tokens/s | busiest replica | peak held / bound | spilled |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['strategy']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | "
-              f"{r['tokens_per_s']:.1f} | {r['busiest_share']:.0%} | {max(r['peak_held']):.0f} / {r['bound'] or '-'} |")
+              f"{r['tokens_per_s']:.1f} | {r['busiest_share']:.0%} | {max(r['peak_held']):.0f} / {r['bound'] or '-'} | {r['spilled']} |")
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                              "results": results}, indent=2) + "\n")

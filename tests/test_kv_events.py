@@ -76,6 +76,24 @@ def receive_all(sub: zmq.Socket) -> list[tuple[int, bytes]]:
     return got
 
 
+def replay_all(tmp_path) -> list[tuple[int, bytes]]:
+    """Every buffered batch from the replay socket. A DEALER sends what a REQ client would (empty delimiter, the
+    first sequence number wanted) and takes every answer, up to the end marker."""
+    replay = zmq.Context.instance().socket(zmq.DEALER)
+    replay.connect(f"ipc://{tmp_path}/replay")
+    replay.send_multipart((b"", (0).to_bytes(8, "big")))
+    replayed = []
+    try:
+        while True:
+            assert replay.poll(5000), "no replay answer"
+            _, seq, payload = replay.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return replayed
+            replayed.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        replay.close(linger=0)
+
+
 def generate(engine, prompts: list[list[int]], max_tokens: int = 3) -> None:
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}-{len(p)}-{p[-1]}", p, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -126,18 +144,7 @@ def test_evictions_are_announced_and_replay_resends_what_a_late_subscriber_misse
         # more distinct prompt blocks than the pool holds: the oldest cached ones are evicted
         prompts = [[1000 + 50 * i + t for t in range(4 * BS + 1)] for i in range(capacity // 4 + 4)]
         generate(engine, prompts, max_tokens=1)
-        # A DEALER sends what a REQ client would (empty delimiter, first sequence number) and takes every answer.
-        replay = zmq.Context.instance().socket(zmq.DEALER)
-        replay.connect(f"ipc://{tmp_path}/replay")
-        replay.send_multipart((b"", (0).to_bytes(8, "big")))
-        replayed = []
-        while True:
-            assert replay.poll(5000), "no replay answer"
-            _, seq, payload = replay.recv_multipart()
-            if seq == (-1).to_bytes(8, "big", signed=True):
-                break
-            replayed.append((int.from_bytes(seq, "big"), payload))
-        replay.close(linger=0)
+        replayed = replay_all(tmp_path)
         assert [s for s, _ in replayed] == list(range(len(replayed)))
         events = [e for _, p in replayed for e in DECODER.decode(p).events]
         assert isinstance(events[0], AllBlocksCleared)  # a (re)started engine holds nothing
@@ -168,3 +175,27 @@ def test_a_bad_kv_events_config_is_refused_with_the_reason(value, message):
 def test_events_off_by_default_cost_nothing(tiny_engine_factory):
     engine = tiny_engine_factory(block_size=BS, kv_events_config='{"enable_kv_cache_events": false}')
     assert engine.kv_events is None and engine.block_manager.kv_events is None
+
+
+
+def test_an_adapters_blocks_carry_its_id_and_name(tiny_engine_factory, tiny_dir, tmp_path):
+    from pagekube.engine.lora.request import LoRARequest
+    from tests.lora_adapters import ATTENTION, write_adapter
+
+    adapter = write_adapter(tiny_dir, tmp_path / "sql", ATTENTION)
+    engine = tiny_engine_factory(block_size=BS, enable_lora=True, kv_events_config=events_config(tmp_path))
+    try:
+        prompt = list(range(200, 212))
+        engine.add_request("base", prompt, SamplingParams(temperature=0, max_tokens=1))
+        engine.add_request("sql", prompt, SamplingParams(temperature=0, max_tokens=1),
+                           lora_request=LoRARequest("sql", 3, str(adapter)))
+        while engine.has_unfinished_requests():
+            engine.step()
+        stored = [e for _, p in replay_all(tmp_path) for e in DECODER.decode(p).events if isinstance(e, BlockStored)]
+    finally:
+        engine.close()
+    by_adapter = {(e.lora_id, e.lora_name): e for e in stored}
+    assert set(by_adapter) == {(None, None), (3, "sql")}
+    base, sql = by_adapter[(None, None)], by_adapter[(3, "sql")]
+    assert base.token_ids == sql.token_ids == prompt  # the same tokens in blocks of their own
+    assert not set(base.block_hashes) & set(sql.block_hashes)

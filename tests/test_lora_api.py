@@ -4,6 +4,8 @@ is left out, the rest serve), the request's `model` picking the adapter, /v1/mod
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -109,6 +111,32 @@ def test_lora_metrics(client, server):
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0]
     assert f'pagekube:lora_requests{{adapter="attn",engine="0",model_name="{BASE}",state="running"}} 0.0' in text
+
+
+def test_the_gateway_inference_extensions_metrics_read_as_a_set(client, server):
+    """What the Gateway API Inference Extension's model-server protocol reads from a vLLM pod, during a stream to an
+    adapter: queue and batch sizes, KV-cache usage, the cache's block size and block count, the LoRA info series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stream = client.completions.create(model="attn", prompt="Once upon a time", max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # running now
+    page = httpx.get(server.url + "/metrics").text
+    for _ in stream:
+        pass
+    samples = {}
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+    assert samples["vllm:num_requests_running"][0].value >= 1
+    assert samples["vllm:num_requests_waiting"][0].value >= 0
+    assert 0 < samples["vllm:kv_cache_usage_perc"][0].value <= 1
+    cache = samples["vllm:cache_config_info"][0].labels
+    assert cache["block_size"] == "16" and int(cache["num_gpu_blocks"]) > 0
+    [lora] = samples["vllm:lora_requests_info"]
+    assert lora.labels["running_lora_adapters"] == "attn" and lora.labels["max_lora"] == "2"
+    assert "waiting_lora_adapters" in lora.labels
+    assert abs(lora.value - time.time()) < 60  # the latest update's time: the extension reads the newest series
 
 
 def test_runtime_updating_is_off_without_vllms_switch(files):

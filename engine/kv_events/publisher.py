@@ -68,9 +68,11 @@ class ZmqEventPublisher:
             self._replay.close(linger=0)
 
     def _run(self) -> None:
-        encoder, sequence = msgspec.msgpack.Encoder(), count()
+        self._encoder, self._sequence = msgspec.msgpack.Encoder(), count()
         while True:
             if self._replay is not None and self._replay.poll(0):
+                if not self._send_queued():  # a replay then holds every batch the engine published before it
+                    return
                 self._answer_replay()
             try:
                 batch = self._queue.get(timeout=0.05)
@@ -78,12 +80,26 @@ class ZmqEventPublisher:
                 continue
             if batch is None:
                 return
-            seq, payload = next(sequence), encoder.encode(batch)
+            self._send(batch)
+
+    def _send_queued(self) -> bool:
+        """Send what waits in the queue; False at the shutdown sentinel."""
+        while True:
             try:
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            except zmq.ZMQError:
-                log.exception("KV events: send failed")
-            self._buffer.append((seq, payload))
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if batch is None:
+                return False
+            self._send(batch)
+
+    def _send(self, batch: KVEventBatch) -> None:
+        seq, payload = next(self._sequence), self._encoder.encode(batch)
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except zmq.ZMQError:
+            log.exception("KV events: send failed")
+        self._buffer.append((seq, payload))
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
