@@ -28,9 +28,10 @@ pytestmark = pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("pro
 NAME, NAMESPACE, MODEL = "cold", "default", "SmolLM2-135M-Instruct"
 
 
-def spec_with(max_pending: int, hold_timeout: int) -> LLMDeploymentSpec:
+def spec_with(max_pending: int, hold_timeout: int, strategy: str = "LeastConnections") -> LLMDeploymentSpec:
     return LLMDeploymentSpec.model_validate({
         "model": {"name": MODEL, "source": "file:///models/smollm2"},
+        "loadBalancer": {"strategy": strategy},
         "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2, "activationQueueDepth": 0,
                         "activator": {"maxPending": max_pending, "holdTimeoutSeconds": hold_timeout}},
     })
@@ -63,8 +64,8 @@ def cold_stack(tmp_path):
     """Everything at zero replicas; returns a factory taking (max_pending, hold_timeout, wake)."""
     started: list = []
 
-    def make(max_pending: int, hold_timeout: int, wake: bool):
-        spec = spec_with(max_pending, hold_timeout)
+    def make(max_pending: int, hold_timeout: int, wake: bool, strategy: str = "LeastConnections"):
+        spec = spec_with(max_pending, hold_timeout, strategy)
         engine_port, activator_port = free_port(), free_port()
         activator = subprocess.Popen(
             [sys.executable, "-m", "pagekube.operator.cli", "activator", "--llmdeployment", NAME, "--host", "127.0.0.1",
@@ -100,8 +101,11 @@ def cold_stack(tmp_path):
             part.stop()
 
 
-def test_streams_sent_at_zero_replicas_all_complete(cold_stack):
-    lb, keda = cold_stack(max_pending=16, hold_timeout=120, wake=True)
+@pytest.mark.parametrize("strategy", ["LeastConnections", "PrefixHash"])
+def test_streams_sent_at_zero_replicas_all_complete(cold_stack, strategy):
+    """With PrefixHash the ring's only engine refuses connections (nothing sent): least connections, and so the
+    activator, take the requests."""
+    lb, keda = cold_stack(max_pending=16, hold_timeout=120, wake=True, strategy=strategy)
     client = openai.OpenAI(base_url=lb.url + "/v1", api_key="none", max_retries=0, timeout=180)
 
     def stream(i):

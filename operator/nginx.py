@@ -137,12 +137,12 @@ def render_nginx_conf(spec: LLMDeploymentSpec, upstreams: list[str], resolver: s
             error_page 502 = @spill;{'' if backups else chr(10) + '            error_page 503 = @refused;'}
         }}
 
-        # Every replica on the ring is at its bound, or none is up (nginx's own 502, "no live upstreams"): least
-        # connections takes the request (and the activator, at zero replicas). A 502 after the request reached an
-        # engine is passed on: a generation is never replayed. (No 503 interception here: an error page's own
-        # error pages do not apply, and the engine's 503 must keep its JSON body.)
+        # No engine on the ring took the request: every replica at its bound (nginx's "no live upstreams"), none
+        # resolved, or each refused the connection. Least connections takes it (and the activator, at zero
+        # replicas). A 502 after the request reached an engine is passed on: a generation is never replayed. (No
+        # 503 interception here: an error page's own error pages do not apply, and an engine's 503 keeps its body.)
         location @spill {{
-            if ($pagekube_no_free_replica = 0) {{
+            if ($pagekube_nothing_sent = 0) {{
                 return 502;
             }}
 {least}
@@ -152,8 +152,8 @@ def render_nginx_conf(spec: LLMDeploymentSpec, upstreams: list[str], resolver: s
     js_import router from prefix_route.js;
     js_var $pagekube_route_key;
     js_var $pagekube_prefix_characters {lb.prefix_hash.prefix_characters};
-    map $upstream_addr $pagekube_no_free_replica {{
-        "~(^|, )engine_prefix$" 1;  # the hash upstream's name: it chose no engine
+    map $upstream_bytes_sent $pagekube_nothing_sent {{
+        "~^[-0 ,:]*$" 1;  # no engine got a byte of the request: none free, none up, or connections refused
         default 0;
     }}
 """

@@ -115,3 +115,12 @@ def test_quantized_benchmark_smoke():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| unquantized", "| w4a16-g64"))]
     assert len(rows) == 2 and all(line.rstrip().endswith("|") for line in rows)
+
+
+def test_prefix_routing_benchmark_smoke():
+    """Both strategies run against real engines behind the rendered NGINX; every request is answered."""
+    out = subprocess.run([sys.executable, str(REPO / "bench/routing.py"), "--smoke"], capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| LeastConnections |", "| PrefixHash |"))]
+    assert len(rows) == 2, out.stdout

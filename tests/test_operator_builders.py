@@ -159,9 +159,10 @@ def test_prefix_hash_routes_by_key_with_a_bound_and_falls_back_to_least_connecti
     assert "js_content router.route;" in conf.split("location / {")[1].split("}")[0]
     assert "load_module /usr/lib/nginx/modules/ngx_http_js_module.so;" in conf
     assert "js_var $pagekube_prefix_characters 100;" in conf and "client_body_buffer_size 10m;" in conf
-    # The spill replays nothing: only nginx's own "no live upstreams" 502 goes on to least connections.
+    # The spill replays nothing: only a 502 for a request no engine received goes on to least connections.
     spill = conf.split("location @spill {")[1].split("location @refused")[0]
-    assert "if ($pagekube_no_free_replica = 0)" in spill and "return 502;" in spill and "error_page" not in spill
+    assert "map $upstream_bytes_sent $pagekube_nothing_sent" in conf
+    assert "if ($pagekube_nothing_sent = 0)" in spill and "return 502;" in spill and "error_page" not in spill
     bounded = render_nginx_conf(spec_of(loadBalancer={"strategy": "PrefixHash", "prefixHash": {
         "maxConnectionsPerReplica": 3, "prefixCharacters": 500}}), ["10.0.0.1:8000"])
     assert "max_conns=3;" in bounded and "js_var $pagekube_prefix_characters 500;" in bounded
