@@ -31,10 +31,10 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import plotting  # noqa: E402
-from e2e.loopback import Nginx  # noqa: E402
+from e2e.loopback import Nginx, engine_replicas  # noqa: E402
 from pagekube.operator.nginx import max_connections_per_replica  # noqa: E402
 from pagekube.operator.spec import LLMDeploymentSpec  # noqa: E402
-from tests.server_process import ServerProcess, json_log_lines, metric  # noqa: E402
+from tests.server_process import json_log_lines, metric  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["billing", "shipping", "returns", "warranty", "accounts", "privacy", "pricing", "outages"]
@@ -70,7 +70,7 @@ def cache_counts(engines) -> list[tuple[float, float]]:
     return [(metric(p, "vllm:prefix_cache_queries_total"), metric(p, "vllm:prefix_cache_hits_total")) for p in pages]
 
 
-def run(strategy: str, args, workdir: Path) -> dict:
+def run(strategy: str, kv_cache_mib: int, args, workdir: Path) -> dict:
     spec = LLMDeploymentSpec.model_validate({
         "model": {"name": MODEL, "source": "file:///models/smollm2"},
         "engine": {"maxNumSeqs": args.max_num_seqs},
@@ -78,52 +78,45 @@ def run(strategy: str, args, workdir: Path) -> dict:
                          "prefixHash": {"maxConnectionsPerReplica": args.bound}},
     })
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    engines = [ServerProcess("--served-model-name", MODEL, "--max-num-seqs", str(args.max_num_seqs), "--dtype",
-                             "float32", "--kv-cache-memory", str(args.kv_cache_mib * 1024**2),
-                             "--disable-log-requests", log_path=workdir / f"{strategy}-engine{i}.log", env=env)
-               for i in range(args.replicas)]
-    lb = None
-    try:
-        for e in engines:
-            e.wait_ready(600)
-        (workdir / strategy).mkdir()
-        lb = Nginx(workdir / strategy, spec, [f"127.0.0.1:{e.port}" for e in engines])
-        peak = [0.0] * len(engines)
-        done = threading.Event()
+    engine_args = ["--served-model-name", MODEL, "--max-num-seqs", str(args.max_num_seqs), "--dtype", "float32",
+                   "--kv-cache-memory", str(kv_cache_mib * 1024**2), "--disable-log-requests"]
+    run_dir = workdir / f"{strategy}-{kv_cache_mib}"
+    (run_dir / "nginx").mkdir(parents=True)
+    with engine_replicas(args.replicas, engine_args, run_dir, env, timeout=600) as engines:
+        lb = Nginx(run_dir / "nginx", spec, [f"127.0.0.1:{e.port}" for e in engines])
+        try:
+            peak, done = [0.0] * len(engines), threading.Event()
 
-        def sample():  # the most requests each replica held at once (running + waiting)
-            while not done.wait(0.2):
-                for i, e in enumerate(engines):
-                    page = httpx.get(e.url + "/metrics").text
-                    held = metric(page, "vllm:num_requests_running") + metric(page, "vllm:num_requests_waiting")
-                    peak[i] = max(peak[i], held)
+            def sample():  # the most requests each replica held at once (running + waiting)
+                while not done.wait(0.2):
+                    for i, e in enumerate(engines):
+                        page = httpx.get(e.url + "/metrics").text
+                        held = metric(page, "vllm:num_requests_running") + metric(page, "vllm:num_requests_waiting")
+                        peak[i] = max(peak[i], held)
 
-        before = cache_counts(engines)
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        ttfts, outputs = [], []
-        # tenants interleaved: a tenant's conversations never run back to back on the same worker
-        order = [t for _ in range(args.conversations) for t in range(args.tenants)]
-        start = time.perf_counter()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            for f in [pool.submit(conversation, lb.url, t, args.turns, args.system_words, args.max_tokens, ttfts,
-                                  outputs) for t in order]:
-                f.result()
-        seconds = time.perf_counter() - start
-        done.set()
-        sampler.join()
-        after = cache_counts(engines)
-        spilled = sum(e["upstream"].startswith("engine_prefix") for e in json_log_lines(lb.dir / "nginx.out"))
-    finally:
-        if lb is not None:
+            before = cache_counts(engines)
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            ttfts, outputs = [], []
+            # tenants interleaved: a tenant's conversations never run back to back on the same worker
+            order = [t for _ in range(args.conversations) for t in range(args.tenants)]
+            start = time.perf_counter()
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                for f in [pool.submit(conversation, lb.url, t, args.turns, args.system_words, args.max_tokens, ttfts,
+                                      outputs) for t in order]:
+                    f.result()
+            seconds = time.perf_counter() - start
+            done.set()
+            sampler.join()
+            after = cache_counts(engines)
+            spilled = sum(e["upstream"].startswith("engine_prefix") for e in json_log_lines(lb.dir / "nginx.out"))
+        finally:
             lb.stop()
-        for e in engines:
-            e.stop()
     queries = [a[0] - b[0] for a, b in zip(after, before)]
     hits = [a[1] - b[1] for a, b in zip(after, before)]
     ttfts.sort()
     return {
-        "strategy": strategy, "requests": len(ttfts), "seconds": round(seconds, 2),
+        "strategy": strategy, "kv_cache_mib": kv_cache_mib, "requests": len(ttfts), "seconds": round(seconds, 2),
         "hit_rate": round(sum(hits) / sum(queries), 4),
         "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
         "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
@@ -137,16 +130,17 @@ def plot(results: list[dict], path: Path) -> None:
     plt = plotting.pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
-    names = [r["strategy"] for r in results]
-    colors = ["#888888", "#2a7ab9"]
-    for ax, key, title in zip(axes, ["hit_rate", "ttft_p50_ms", "tokens_per_s"],
-                              ["prefix-cache hit rate", "TTFT p50 (ms)", "output tokens/s"]):
-        ax.bar(names, [r[key] for r in results], color=colors)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    for strategy, color in (("LeastConnections", "#888888"), ("PrefixHash", "#2a7ab9")):
+        rows = [r for r in results if r["strategy"] == strategy]
+        sizes = [r["kv_cache_mib"] for r in rows]
+        for ax, key in zip(axes, ["hit_rate", "ttft_p50_ms", "tokens_per_s"]):
+            ax.plot(sizes, [r[key] for r in rows], "o-", color=color, label=strategy)
+    for ax, title in zip(axes, ["prefix-cache hit rate", "TTFT p50 (ms)", "output tokens/s"]):
         ax.set_title(title)
-        for i, r in enumerate(results):
-            ax.annotate(f"{r[key]:g}", (i, r[key]), ha="center", va="bottom")
-    fig.suptitle("3 replicas, multi-tenant chat: LeastConnections vs PrefixHash")
+        ax.set_xlabel("KV cache per replica (MiB)")
+    axes[0].legend()
+    fig.suptitle("3 replicas, 24 tenants' chats at concurrency 16: LeastConnections vs PrefixHash")
     plotting.save(fig, path)
 
 
@@ -161,22 +155,22 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--bound", type=int, default=8, help="PrefixHash maxConnectionsPerReplica")
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--kv-cache-mib", type=int, default=320, help="each engine's KV pool")
+    p.add_argument("--kv-cache-mib", type=int, nargs="+", default=[320], help="each engine's KV pool (several: a sweep)")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
     p.add_argument("--out", type=Path, default=None, help="write JSON + PNG here (docs/bench_routing)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     if args.smoke:
         args.replicas, args.tenants, args.turns, args.system_words, args.concurrency = 2, 3, 2, 20, 2
-        args.max_tokens, args.kv_cache_mib = 2, 64
+        args.max_tokens, args.kv_cache_mib = 2, [64]
     with tempfile.TemporaryDirectory() as d:
-        results = [run(s, args, Path(d)) for s in ("LeastConnections", "PrefixHash")]
+        results = [run(s, kv, args, Path(d)) for kv in args.kv_cache_mib for s in ("LeastConnections", "PrefixHash")]
     print(f"{args.replicas} replicas, {args.tenants} tenants x {args.conversations} x {args.turns} turns, "
           f"concurrency {args.concurrency}, system prompts of {args.system_words} words, {args.max_tokens} tokens out")
-    print("| strategy | hit rate | TTFT p50 | TTFT p99 | tokens/s | busiest replica | peak held / bound | spilled |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| KV cache | strategy | hit rate | TTFT p50 | TTFT p99 | tokens/s | busiest replica | peak held / bound | spilled |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['strategy']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | "
+        print(f"| {r['kv_cache_mib']} MiB | {r['strategy']} | {r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | "
               f"{r['tokens_per_s']:.1f} | {r['busiest_share']:.0%} | {max(r['peak_held']):.0f} / {r['bound'] or '-'} | {r['spilled']} |")
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},

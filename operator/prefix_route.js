@@ -46,7 +46,13 @@ function routingKey(requestText, characters) {
 }
 
 function route(r) {
-    const key = routingKey(r.requestText, Number(r.variables.pagekube_prefix_characters));
+    let body;
+    try {
+        body = r.requestText;
+    } catch (e) {
+        body = undefined;  // not in memory (client_body_buffer_size keeps it there): no key
+    }
+    const key = routingKey(body, Number(r.variables.pagekube_prefix_characters));
     if (key) {
         r.variables.pagekube_route_key = key;
         r.internalRedirect('@prefix');
