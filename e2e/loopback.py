@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -14,7 +16,21 @@ import yaml
 from e2e.waiting import wait_for
 from pagekube.operator.nginx import SCRIPT_KEY, prefix_route_script, render_nginx_conf
 from pagekube.operator.spec import LLMDeploymentSpec
-from tests.server_process import free_port
+from tests.server_process import ServerProcess, free_port
+
+
+@contextmanager
+def engine_replicas(count: int, args: list[str], workdir: Path, env: dict | None = None,
+                    timeout: float = 180) -> Iterator[list[ServerProcess]]:
+    """`count` engines (`pagekube serve ARGS`), all ready; stopped on exit. Logs: workdir/engine<i>.log."""
+    procs = [ServerProcess(*args, log_path=workdir / f"engine{i}.log", env=env) for i in range(count)]
+    try:
+        for p in procs:
+            p.wait_ready(timeout)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
 
 
 def wait_http(url, timeout=30.0):

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.loopback import Nginx, Prometheus
+from e2e.loopback import Nginx, Prometheus, engine_replicas
 from e2e.waiting import wait_for
 from pagekube.operator.autoscaling import build_scaled_object
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -46,15 +46,8 @@ def engines(tmp_path_factory):
     # Two engines share this machine's 2 cores: one OpenMP thread each, as on a node where each pod has its cores
     # (two 2-thread teams spinning on 2 cores starve each other: the drain then outlasts its timeout).
     one_core = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [ServerProcess(*ENGINE_ARGS, "--served-model-name", SPEC.model.name, log_path=d / f"engine{i}.log",
-                           env=one_core) for i in range(2)]
-    try:
-        for p in procs:
-            p.wait_ready()
+    with engine_replicas(2, [*ENGINE_ARGS, "--served-model-name", SPEC.model.name], d, one_core) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.loopback import Nginx
+from e2e.loopback import Nginx, engine_replicas
 from e2e.waiting import wait_for
 from pagekube.operator.nginx import NJS_MODULE
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -48,15 +48,8 @@ def system_prompt(tenant: int) -> str:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    d = tmp_path_factory.mktemp("engines")
-    procs = [ServerProcess(*ENGINE_ARGS, log_path=d / f"engine{i}.log", env=ONE_CORE) for i in range(3)]
-    try:
-        for p in procs:
-            p.wait_ready()
+    with engine_replicas(3, ENGINE_ARGS, tmp_path_factory.mktemp("engines"), ONE_CORE) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 @pytest.fixture
