@@ -3,10 +3,11 @@ holds it, and the CLI must start without them)."""
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagekube.engine.json_flag import parse_json_flag
 
 
 class KVEventsConfig(BaseModel):
@@ -35,9 +36,4 @@ class KVEventsConfig(BaseModel):
 
     @classmethod
     def parse(cls, value: str | dict | KVEventsConfig) -> KVEventsConfig:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config is not valid JSON: {e}") from e
-        return value if isinstance(value, KVEventsConfig) else cls.model_validate(value)
+        return parse_json_flag(cls, value, "--kv-events-config")

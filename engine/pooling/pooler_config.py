@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from pagekube.engine.json_flag import parse_json_flag
+
 PoolingType = Literal["CLS", "MEAN", "LAST"]
 ENCODER_MODEL_TYPES = ("bert",)
 # sentence-transformers' Pooling config flag -> our pooling type; the others are refused by name
@@ -30,12 +32,7 @@ class PoolerConfig(BaseModel):
 
     @classmethod
     def parse(cls, value: str | dict | PoolerConfig) -> PoolerConfig:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--pooler-config is not valid JSON: {e}") from e
-        return value if isinstance(value, PoolerConfig) else cls.model_validate(value)
+        return parse_json_flag(cls, value, "--pooler-config")
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ Methods, named and shaped as vLLM's `--speculative-config`:
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagekube.engine.core.sequence import Sequence
+from pagekube.engine.json_flag import parse_json_flag
 
 # Back-off: a sequence whose recent acceptance (an exponential average of accepted / proposed) falls below this
 # stops proposing, but probes again every BACKOFF_PROBE_STEPS steps, so a copy-heavy stretch later is still found.
@@ -57,9 +57,7 @@ class SpeculativeConfig(BaseModel):
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
         """From the CLI's JSON string, the offline API's dict, or a config."""
-        if isinstance(value, str):
-            value = json.loads(value)
-        return value if isinstance(value, cls) else cls.model_validate(value)
+        return parse_json_flag(cls, value, "--speculative-config")
 
 
 class NgramProposer:
