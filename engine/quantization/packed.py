@@ -75,25 +75,25 @@ class Fp8Weight:
     def row_scales(self) -> tuple[torch.Tensor, int] | None:
         """The scales as [N, groups] with `group_size` columns each, as the CPU kernel reads them; None where
         blocks do not tile the columns."""
-        n, k = self.shape
-        if self.block is None:
-            return self.scale.expand(n, 1).contiguous(), k
-        if k % self.block[1]:
+        k = self.shape[1]
+        if self.block is not None and k % self.block[1]:
             return None
-        return self.scale.repeat_interleave(self.block[0], 0)[:n].contiguous(), self.block[1]
+        return self._scales_per_row().contiguous(), k if self.block is None else self.block[1]
+
+    def _scales_per_row(self) -> torch.Tensor:
+        """[N, 1] (per tensor or per row) or [N, K/block[1]] (per block): each row's own scales."""
+        n = self.shape[0]
+        return self.scale.expand(n, 1) if self.block is None else self.scale.repeat_interleave(self.block[0], 0)[:n]
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        w = self.weight.float()
-        if self.block is None:
-            return (w * self.scale).to(dtype)
-        n, k = self.shape
-        bn, bk = self.block
-        scale = self.scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        return (w * scale).to(dtype)
+        scale = self._scales_per_row()
+        if self.block is not None:
+            scale = scale.repeat_interleave(self.block[1], 1)[:, :self.shape[1]]
+        return (self.weight.float() * scale).to(dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> Fp8Weight:
         weight = self.weight.narrow(dim, start, length)
@@ -162,9 +162,13 @@ class QuantizedWeight:
                    if isinstance(t, torch.Tensor))
 
 
+def _each_tensor(weight: IntWeight | Fp8Weight, fn) -> IntWeight | Fp8Weight:
+    return replace(weight, **{k: fn(v) for k, v in vars(weight).items() if isinstance(v, torch.Tensor)})
+
+
 def to_device(weight: IntWeight | Fp8Weight, device: torch.device) -> IntWeight | Fp8Weight:
-    return replace(weight, **{k: v.to(device) for k, v in vars(weight).items() if isinstance(v, torch.Tensor)})
+    return _each_tensor(weight, lambda t: t.to(device))
 
 
 def contiguous(weight: IntWeight | Fp8Weight) -> IntWeight | Fp8Weight:
-    return replace(weight, **{k: v.contiguous() for k, v in vars(weight).items() if isinstance(v, torch.Tensor)})
+    return _each_tensor(weight, torch.Tensor.contiguous)
