@@ -90,7 +90,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else None)
-        self.kv_events = self._start_kv_events()
+        self.kv_event_publisher = self._start_kv_events()
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size, self.runner.device, config.seed)
         self.requests: dict[str, Request] = {}
@@ -151,14 +151,14 @@ class LLMEngine:
         return publisher
 
     def _publish_kv_events(self) -> None:
-        if self.kv_events is not None and (events := self.block_manager.take_kv_events()):
-            self.kv_events.publish(KVEventBatch(ts=time.time(), events=events))
+        if self.kv_event_publisher is not None and (events := self.block_manager.take_kv_events()):
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def close(self) -> None:
         """Stop the KV-event publisher and the tensor-parallel workers."""
-        if getattr(self, "kv_events", None) is not None:
-            self.kv_events.shutdown()
-            self.kv_events = None
+        if getattr(self, "kv_event_publisher", None) is not None:
+            self.kv_event_publisher.shutdown()
+            self.kv_event_publisher = None
         if self.workers is not None:
             self.workers.stop(getattr(self, "runner", None))
             self.workers = None

@@ -174,7 +174,7 @@ def test_a_bad_kv_events_config_is_refused_with_the_reason(value, message):
 
 def test_events_off_by_default_cost_nothing(tiny_engine_factory):
     engine = tiny_engine_factory(block_size=BS, kv_events_config='{"enable_kv_cache_events": false}')
-    assert engine.kv_events is None and engine.block_manager.kv_events is None
+    assert engine.kv_event_publisher is None and engine.block_manager.kv_events is None
 
 
 
