@@ -124,3 +124,10 @@ def test_prefix_routing_benchmark_smoke():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "| LeastConnections |" in line or "| PrefixHash |" in line]
     assert len(rows) == 2, out.stdout
+
+
+def test_stream_read_probe_smoke():
+    out = subprocess.run([sys.executable, str(REPO / "bench/stream_read.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "| Q4_1 GGUF" in out.stdout and " ms |" in out.stdout
