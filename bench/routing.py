@@ -31,7 +31,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import plotting  # noqa: E402
-from e2e.loopback import Nginx, engine_replicas  # noqa: E402
+from e2e.loopback import Nginx, engine_replicas, prefix_cache_counts  # noqa: E402
 from pagekube.operator.nginx import max_connections_per_replica  # noqa: E402
 from pagekube.operator.spec import LLMDeploymentSpec  # noqa: E402
 from tests.server_process import json_log_lines, metric  # noqa: E402
@@ -65,11 +65,6 @@ def conversation(lb_url: str, tenant: int, turns: int, words: int, max_tokens: i
         messages.append({"role": "assistant", "content": text})
 
 
-def cache_counts(engines) -> list[tuple[float, float]]:
-    pages = [httpx.get(e.url + "/metrics").text for e in engines]
-    return [(metric(p, "vllm:prefix_cache_queries_total"), metric(p, "vllm:prefix_cache_hits_total")) for p in pages]
-
-
 def run(strategy: str, kv_cache_mib: int, args, workdir: Path) -> dict:
     spec = LLMDeploymentSpec.model_validate({
         "model": {"name": MODEL, "source": "file:///models/smollm2"},
@@ -94,7 +89,7 @@ def run(strategy: str, kv_cache_mib: int, args, workdir: Path) -> dict:
                         held = metric(page, "vllm:num_requests_running") + metric(page, "vllm:num_requests_waiting")
                         peak[i] = max(peak[i], held)
 
-            before = cache_counts(engines)
+            before = prefix_cache_counts(engines)
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
             ttfts, outputs = [], []
@@ -108,7 +103,7 @@ def run(strategy: str, kv_cache_mib: int, args, workdir: Path) -> dict:
             seconds = time.perf_counter() - start
             done.set()
             sampler.join()
-            after = cache_counts(engines)
+            after = prefix_cache_counts(engines)
             spilled = sum(e["upstream"].startswith("engine_prefix") for e in json_log_lines(lb.dir / "nginx.out"))
         finally:
             lb.stop()

@@ -16,7 +16,13 @@ import yaml
 from e2e.waiting import wait_for
 from pagekube.operator.nginx import SCRIPT_KEY, prefix_route_script, render_nginx_conf
 from pagekube.operator.spec import LLMDeploymentSpec
-from tests.server_process import ServerProcess, free_port
+from tests.server_process import ServerProcess, free_port, metric
+
+
+def prefix_cache_counts(engines: list[ServerProcess]) -> list[tuple[float, float]]:
+    """Each engine's (vllm:prefix_cache_queries, vllm:prefix_cache_hits) so far, in tokens."""
+    pages = [httpx.get(e.url + "/metrics").text for e in engines]
+    return [(metric(p, "vllm:prefix_cache_queries_total"), metric(p, "vllm:prefix_cache_hits_total")) for p in pages]
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.loopback import Nginx, engine_replicas
+from e2e.loopback import Nginx, engine_replicas, prefix_cache_counts
 from e2e.waiting import wait_for
 from pagekube.operator.nginx import NJS_MODULE
 from pagekube.operator.spec import LLMDeploymentSpec
@@ -77,11 +77,6 @@ def chat(lb: Nginx, tenant: int, question: str, max_tokens: int = 1):
         {"role": "system", "content": system_prompt(tenant)}, {"role": "user", "content": question}])
 
 
-def cache_counters(engines) -> list[tuple[float, float]]:
-    pages = [httpx.get(e.url + "/metrics").text for e in engines]
-    return [(metric(p, "vllm:prefix_cache_queries_total"), metric(p, "vllm:prefix_cache_hits_total")) for p in pages]
-
-
 def upstreams_served(lb: Nginx, since: int) -> list[str]:
     """The engine address that answered each request logged after the first `since` lines."""
     return [e["upstream"].split(" : ")[-1] for e in json_log_lines(lb.dir / "nginx.out")[since:]]
@@ -95,10 +90,10 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(engines
     lb = balancer(prefix_spec())
     owners = {}
     for tenant in range(6):
-        before = cache_counters(engines)
+        before = prefix_cache_counts(engines)
         for turn in range(3):
             assert chat(lb, tenant, f"Question {turn}: where is my order?").choices[0].finish_reason == "length"
-        after = cache_counters(engines)
+        after = prefix_cache_counts(engines)
         grew = [i for i, (b, a) in enumerate(zip(before, after)) if a[0] > b[0]]
         assert len(grew) == 1, f"tenant {tenant}'s requests reached engines {grew}"
         owners[tenant] = grew[0]

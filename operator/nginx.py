@@ -10,6 +10,7 @@ is not passed on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 from importlib import resources
@@ -205,6 +206,7 @@ def max_connections_per_replica(spec: LLMDeploymentSpec) -> int:
     return lb.prefix_hash.max_connections_per_replica or max(1, spec.engine.max_num_seqs // lb.replicas)
 
 
+@functools.cache  # package data: read once, not on every reconcile pass
 def prefix_route_script() -> str:
     return resources.files("pagekube.operator").joinpath(SCRIPT_KEY).read_text()
 

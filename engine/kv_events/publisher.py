@@ -108,7 +108,7 @@ class ZmqEventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
+        for seq, payload in self._buffer:  # this thread alone appends to it
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
