@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pagekube: invalid flags:\n{e}", file=sys.stderr)
             return 2
         setup_logging()
+        if config.headless:
+            from pagekube.engine.distributed.headless import run_headless
+
+            return run_headless(config)
         return run_server(config)
     return 2
 

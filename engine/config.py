@@ -82,7 +82,14 @@ class EngineConfig(BaseModel):
     kv_events_config: KVEventsConfig | None = Field(
         None, description='Publish prefix-cache changes as vLLM does, as JSON: {"enable_kv_cache_events": true, '
                           '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": ""}')
-    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages (-pp); only 1 is supported yet")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Stages the model's layers are split into, one process "
+                                        "group of --tensor-parallel-size ranks each (-pp)")
+    # Multi-node without Ray, with vLLM's flags: every node runs world / nnodes ranks; node 0 serves the API.
+    nnodes: int = Field(1, ge=1, description="Nodes one engine spans (tensor x pipeline ranks split evenly over them)")
+    node_rank: int = Field(0, ge=0, description="This node's place among --nnodes (0: the leader, which serves the API)")
+    master_addr: str = Field("127.0.0.1", description="The leader's address, where every rank meets (multi-node)")
+    master_port: int = Field(29501, ge=1, le=65535, description="The leader's rendezvous port (multi-node)")
+    headless: bool = Field(False, description="A worker node: run this node's ranks, no API and no scheduler")
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -108,8 +115,9 @@ class EngineConfig(BaseModel):
     def _lora_settings(self) -> EngineConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora with --tensor-parallel-size or --pipeline-parallel-size > 1 is not "
+                             "supported yet")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
         names = [m.name for m in self.lora_modules or ()]
@@ -125,13 +133,18 @@ class EngineConfig(BaseModel):
                              "in every step); drop --no-enable-chunked-prefill")
         return value
 
-    @field_validator("pipeline_parallel_size")
-    @classmethod
-    def _one_pipeline_stage(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"{value} pipeline stages: pipeline parallelism is not supported yet; use "
-                             "--tensor-parallel-size to split a model over devices")
-        return value
+    @model_validator(mode="after")
+    def _multi_node(self) -> EngineConfig:
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} does not divide the {world} ranks "
+                             "(--tensor-parallel-size x --pipeline-parallel-size)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not below --nnodes {self.nnodes}")
+        if self.headless != (self.node_rank > 0):
+            raise ValueError("--headless runs a node other than the leader: give it with --node-rank > 0 (and "
+                             "only there; node 0 serves the API)")
+        return self
 
     @model_validator(mode="after")
     def _gguf_is_a_file(self) -> EngineConfig:

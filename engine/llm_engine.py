@@ -14,8 +14,9 @@ from pagekube.engine.core.block_manager import BlockManager
 from pagekube.engine.core.scheduler import ScheduledBatch, Scheduler
 from pagekube.engine.core.sequence import Request, Sequence, SequenceStatus
 from pagekube.engine.detokenizer import start_detokenizer
-from pagekube.engine.distributed.tensor_parallel import TPShard, unsupported
-from pagekube.engine.distributed.tp_workers import Workers, init_distributed
+from pagekube.engine.distributed.pipeline_parallel import unsupported as pp_unsupported
+from pagekube.engine.distributed.tensor_parallel import unsupported as tp_unsupported
+from pagekube.engine.distributed.workers import Workers, join
 from pagekube.engine.errors import AdapterError, RequestRejected
 from pagekube.engine.kv_events.events import KVEventBatch
 from pagekube.engine.lora.manager import LoRAManager
@@ -36,6 +37,8 @@ from pagekube.engine.structured import (
 )
 
 log = logging.getLogger("pagekube.engine")
+
+HEARTBEAT_S = 5.0  # how often an idle engine checks that its worker ranks still answer
 
 
 class StatListener(Protocol):
@@ -66,11 +69,12 @@ class LLMEngine:
         # The draft's weights load first, so the target's pool is sized (on a GPU: profiled) with both models in
         # memory; the draft's own pool then takes as many blocks as the target's.
         draft_runner = ModelRunner(config, draft_dir, draft_config, num_blocks=0) if draft_config is not None else None
-        self.workers = None  # tensor-parallel ranks 1.. (engine/distributed/tp_workers.py)
-        shard, control = self._start_tensor_parallel()
+        self.workers = None  # this node's other ranks (engine/distributed/workers.py)
+        self._last_packet = time.monotonic()
+        parallel = self._start_workers()
         try:
             self.runner = ModelRunner(config, self.model_dir, self.hf_config, shared_bytes_per_block=draft_bytes,
-                                      shard=shard, control=control, quantization=config.quantization)
+                                      quantization=config.quantization, **parallel)
         except BaseException:
             self.close()
             raise
@@ -124,21 +128,35 @@ class LLMEngine:
                 self.lora_errors[module.name] = str(e)
                 log.error({"msg": "LoRA adapter not served", "adapter": module.name, "error": str(e)})
 
-    def _start_tensor_parallel(self):
-        size = self.config.tensor_parallel_size
-        if size == 1:
-            return TPShard(), None
-        problem = unsupported(self.hf_config, size)
+    def _start_workers(self) -> dict:
+        """With tensor or pipeline parallelism: start this node's other ranks and join them as rank 0; returns the
+        ModelRunner's arguments for this rank's part of the model."""
+        c = self.config
+        tp, pp = c.tensor_parallel_size, c.pipeline_parallel_size
+        if tp * pp == 1:
+            return {}
+        problem = tp_unsupported(self.hf_config, tp) if tp > 1 else None
         if problem:
-            raise ValueError(f"--tensor-parallel-size {size}: the model cannot be split: {problem}")
-        self.workers = Workers(size, self.config, self.model_dir)
+            raise ValueError(f"--tensor-parallel-size {tp}: the model cannot be split: {problem}")
+        problem = pp_unsupported(self.hf_config.num_hidden_layers, pp)
+        if problem:
+            raise ValueError(f"--pipeline-parallel-size {pp}: the model cannot be split: {problem}")
+        self.workers = Workers(c, self.model_dir)
         try:
-            control = init_distributed(0, size, self.workers.port, resolve_device(self.config.device))
+            shard, stage, control = join(0, c, self.workers.init_method, resolve_device(c.device))
         except BaseException:
             self.close()
             raise
-        log.info("tensor parallel: %d ranks (this process is rank 0)", size)
-        return TPShard(0, size), control
+        log.info("parallel: %d ranks (tensor %d x pipeline %d) on %d node(s); this process is rank 0",
+                 tp * pp, tp, pp, c.nnodes)
+        return {"shard": shard, "stage": stage, "control": control}
+
+    def heartbeat(self) -> None:
+        """While idle, check every HEARTBEAT_S that every rank still answers (a rank on another node has no
+        watchdog here); a lost one raises, and the engine ends."""
+        if self.workers is not None and time.monotonic() - self._last_packet > HEARTBEAT_S:
+            self.runner.ping_workers()
+            self._last_packet = time.monotonic()
 
     def _start_kv_events(self):
         events = self.config.kv_events_config
@@ -155,7 +173,7 @@ class LLMEngine:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def close(self) -> None:
-        """Stop the KV-event publisher and the tensor-parallel workers."""
+        """Stop the KV-event publisher and the worker ranks."""
         if getattr(self, "kv_event_publisher", None) is not None:
             self.kv_event_publisher.shutdown()
             self.kv_event_publisher = None
@@ -355,7 +373,7 @@ class LLMEngine:
             self._publish_kv_events()
 
     def _run_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        now = time.monotonic()
+        now = self._last_packet = time.monotonic()
         for seq in batch.seqs:
             m = seq.request.metrics
             m.first_scheduled_time = m.first_scheduled_time or now

@@ -100,7 +100,8 @@ def test_a_vllm_command_line_starts_the_server_and_says_which_flags_mean_nothing
 
 @pytest.mark.parametrize("flags, says", [
     (["--no-enable-chunked-prefill"], "always chunks long prompts"),
-    (["-pp", "2"], "pipeline parallelism is not supported yet"),
+    (["-pp", "3", "--nnodes", "2"], "--nnodes 2 does not divide the 3 ranks"),
+    (["--headless"], "--headless runs a node other than the leader"),
     (["-q", "gguf", "/models/llama"], "--quantization gguf needs a .gguf model file"),
 ])
 def test_values_the_engine_cannot_honour_are_refused_with_the_reason(flags, says, capsys):

@@ -9,7 +9,7 @@ replicated on size / num_kv_heads ranks, as vLLM does. NCCL on GPUs, gloo on CPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ import torch.distributed as dist
 class TPShard:
     rank: int = 0
     size: int = 1
+    group: dist.ProcessGroup | None = field(default=None, compare=False)  # this stage's ranks; None: all of them
 
     def split(self, n: int) -> tuple[int, int]:
         """(this rank's share of n, where it starts) for an evenly divisible dimension."""
@@ -53,14 +54,14 @@ def unsupported(hf_config, size: int) -> str | None:
 
 def all_reduce(x: torch.Tensor, shard: TPShard) -> torch.Tensor:
     if shard.size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=shard.group)
     return x
 
 
 def gather_logits(local: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tensor | None:
-    """Every rank's vocabulary slice of the logits, concatenated on rank 0 (None elsewhere)."""
+    """Every rank's vocabulary slice of the logits, concatenated on TP rank 0 (None elsewhere)."""
     if shard.size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(shard.size)] if shard.rank == 0 else None
-    dist.gather(local.contiguous(), parts, dst=0)
+    dist.gather(local.contiguous(), parts, group=shard.group, group_dst=0)
     return torch.cat(parts, dim=-1)[:, :vocab_size] if shard.rank == 0 else None

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from pagekube.engine.distributed.pipeline_parallel import PPStage
 from pagekube.engine.distributed.tensor_parallel import TPShard, all_reduce, gather_logits
 from pagekube.kernels.cpu_ops import NO_KERNELS, CpuKernels
 
@@ -207,20 +208,33 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, shard: TPShard):
+    def __init__(self, config, shard: TPShard, stage: PPStage = PPStage()):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.stage = stage
+        self.layer_range = stage.layers(config.num_hidden_layers)
+        if stage.is_first or (stage.is_last and getattr(config, "tie_word_embeddings", False)):
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, shard)
+        # Layers another pipeline stage holds are empty here, so parameter names stay the checkpoint's.
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) if i in self.layer_range else nn.Identity()
+                                    for i in range(config.num_hidden_layers))
+        if stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)  # transformers' RoPE: every rope_scaling type, same numbers
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend):
-        x = self.embed_tokens(input_ids)
+    @property
+    def local_layers(self) -> list[DecoderLayer]:
+        return [self.layers[i] for i in self.layer_range]
+
+    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None):
+        """The final hidden states; on a stage before the last, (hidden, residual) for the next stage, which passes
+        them back in as `intermediate`."""
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        for layer, kv in zip(self.local_layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv, meta, backend)
+        if not self.stage.is_last:
+            return x, residual
         return self.norm(x, residual)[0]
 
 
@@ -239,20 +253,31 @@ class CausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config, shard: TPShard = TPShard()):
+    def __init__(self, config, shard: TPShard = TPShard(), stage: PPStage = PPStage()):
         super().__init__()
         if config.model_type not in self.supported_model_types:
             raise ValueError(f"model_type {config.model_type!r} is not supported "
                              f"(supported: {', '.join(self.supported_model_types)})")
         self.config = config
-        self.shard = shard
-        self.model = DecoderModel(config, shard)
+        self.shard, self.stage = shard, stage
+        self.model = DecoderModel(config, shard, stage)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, self.model.embed_tokens.rows, bias=False)
+        if stage.is_last and not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, shard.vocab(config.vocab_size)[0], bias=False)
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta, backend)
+    def forward(self, input_ids, positions, kv_caches, meta, backend, intermediate=None):
+        return self.model(input_ids, positions, kv_caches, meta, backend, intermediate)
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs on this pipeline stage (the loader reads no other)."""
+        if self.stage.size == 1:
+            return True
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "layers":
+            return int(parts[1]) in self.model.layer_range
+        if parts[0] == "embed_tokens":
+            return hasattr(self.model, "embed_tokens")
+        return self.stage.is_last  # norm, lm_head
 
     def checkpoint_target(self, name: str, params: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
         """Where checkpoint tensor `name` goes: (parameter name, the view of it to copy into); None if unused.
@@ -285,7 +310,8 @@ class CausalLM(nn.Module):
             return None
         *path, kind = name.split(".")
         leaf = path[-1] if path else ""
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        layer = self.model.local_layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
         hd = attn.head_dim
         if leaf == "q_proj":
             return 0, attn.q_start * hd, attn.num_heads * hd

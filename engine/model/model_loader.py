@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pagekube.engine.distributed.pipeline_parallel import PPStage
 from pagekube.engine.distributed.tensor_parallel import TPShard
 from pagekube.engine.model.layers import gguf_linears
 from pagekube.engine.model.model import CausalLM
@@ -33,13 +34,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.device,
-               shard: TPShard = TPShard(), quantization: str | None = None) -> CausalLM:
+               shard: TPShard = TPShard(), quantization: str | None = None, stage: PPStage = PPStage()) -> CausalLM:
     """With tensor parallelism each rank reads only its slice of each tensor (safetensors slices: no rank ever
-    holds the full weights; a quantized projection is read whole, then sliced). `quantization`: --quantization,
-    checked against the checkpoint's own quantization_config (engine/quantization)."""
+    holds the full weights; a quantized projection is read whole, then sliced); with pipeline parallelism, only its
+    stage's layers. `quantization`: --quantization, checked against the checkpoint's own quantization_config
+    (engine/quantization)."""
     method = schemes.resolve(hf_config, quantization)
     with torch.device("meta"):
-        model = CausalLM(hf_config, shard).to(dtype)
+        model = CausalLM(hf_config, shard, stage).to(dtype)
     quantized = QuantizedLinears(model, method)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
@@ -53,6 +55,8 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
                 for name in st.keys():
+                    if not model.holds(name):
+                        continue
                     if quantized.take(name, lambda name=name: st.get_tensor(name)):
                         loaded.add(name)
                         continue
@@ -89,7 +93,7 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
         log.info("%d linears quantized: %s", len(quantized.linears), method.describe())
     log.info("loaded %d tensors (%.1f MB) from %d file(s) in %.1f s; weights in memory: %.1f MB", len(loaded),
              total / 1e6, len(files), time.monotonic() - start, weight_bytes(model) / 1e6)
-    if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == 1 and cpu_ops.loaded() and not method:
+    if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == stage.size == 1 and cpu_ops.loaded() and not method:
         attached = gguf_linears.attach(model, model_dir)  # only the CPU extension reads them
         if attached:
             log.info("%d linears also read from the GGUF's Q4_1 blocks by the CPU kernels", attached)

@@ -1,8 +1,8 @@
 """ModelRunner: owns the weights and the KV pool; turns a scheduled batch into one forward and its logits.
 
-With tensor parallelism every rank has one, holding its shard and its heads' KV pool. Rank 0's builds each step's
-inputs and broadcasts them as one packed int64 tensor (a header, then the payload); the workers' runners wait in
-`serve_forever` and run the same forward on their shards.
+With tensor and pipeline parallelism every rank has one, holding its shard of its stage's layers and their KV pool.
+Rank 0's builds each step's inputs and broadcasts them to every rank as one packed int64 tensor (a header, then the
+payload); the workers' runners wait in `serve_forever` and run the same step on their part of the model.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from pagekube.engine.config import EngineConfig
 from pagekube.engine.core.scheduler import ScheduledBatch
+from pagekube.engine.distributed import pipeline_parallel as pp
+from pagekube.engine.distributed.pipeline_parallel import PPStage
 from pagekube.engine.distributed.tensor_parallel import TPShard
 from pagekube.engine.lora.slots import LoRASlots, LoRAStep
 from pagekube.engine.model.attention import make_backend
@@ -21,7 +23,7 @@ from pagekube.engine.model.model import AttentionMetadata, use_kernels
 from pagekube.engine.model.model_loader import load_model
 from pagekube.kernels.cpu_ops import CpuKernels, cpu_supports_bf16_dot, load_cpu_kernels, load_int_kernels
 
-FORWARD, STOP = 1, 2  # packet commands, rank 0 -> workers
+FORWARD, STOP, PING = 1, 2, 3  # packet commands, rank 0 -> workers
 HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies
 
 log = logging.getLogger("pagekube.engine")
@@ -55,25 +57,26 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir, hf_config, num_blocks: int | None = None,
                  shared_bytes_per_block: int = 0, shard: TPShard = TPShard(), control=None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, stage: PPStage = PPStage(), device_index: int = 0):
         """`num_blocks`: a pool of that many blocks; 0 for none yet (a draft model loads its weights before the
         target sizes its pool, then gets as many blocks as the target: `allocate_kv_pool`). None: sized from
         the memory budget, where `shared_bytes_per_block` is what each block also costs elsewhere (the draft's
-        pool). `shard` and `control` (a gloo group for the step packets): this rank's part under tensor
-        parallelism. `quantization`: --quantization, for the served model (a draft model's config.json says its
+        pool). `shard`, `stage` and `control` (a gloo group of all ranks for the step packets): this rank's part
+        under tensor and pipeline parallelism; `device_index`: its GPU on this node. `quantization`: --quantization, for the served model (a draft model's config.json says its
         own; without the flag the checkpoint's is used)."""
         self.config = config
-        self.shard, self.control = shard, control
-        self.device = resolve_device(config.device, shard.rank)
+        self.shard, self.stage, self.control = shard, stage, control
+        self.world_size = shard.size * stage.size
+        self.device = resolve_device(config.device, device_index)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.backend = make_backend(config.attention_backend, self.device, self.block_size, self.dtype)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             load_cpu_kernels()  # built once per machine; torch's ops where it cannot be
-        self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard, quantization)
+        self.model = load_model(hf_config, model_dir, self.dtype, self.device, shard, quantization, stage)
         if self.device.type == "cpu" and any(getattr(m, "quant", None) for m in self.model.modules()):
             load_int_kernels()  # the int4/int8 Linears' kernel (AVX2), built once per machine
-        attn = self.model.model.layers[0].self_attn
+        attn = self.model.model.local_layers[0].self_attn
         # Which CPU kernels run is decided here, once per model; layers then check only their row counts.
         self.kernels = CpuKernels.for_model(self.device, self.dtype, attn.head_dim)
         use_kernels(self.model, self.kernels)
@@ -81,14 +84,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             log.info({"msg": "CPU kernels", "model": str(model_dir), "kernels": self.kernels.names or ["torch"]})
         self.lora = None  # LoRASlots once enable_lora is called
-        self.num_layers = len(self.model.model.layers)
+        self.num_layers = len(self.model.model.local_layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         if num_blocks == 0:
             return
         num_blocks = num_blocks or self._num_kv_blocks(shared_bytes_per_block)
-        if shard.size > 1:  # every rank's pool must hold the same blocks: the smallest one's
+        if self.world_size > 1:  # every rank's pool must hold the same blocks: the smallest one's
             agreed = torch.tensor([num_blocks])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
             num_blocks = int(agreed)
@@ -131,12 +134,15 @@ class ModelRunner:
     def _profile_free_gpu_memory(self) -> int:
         """Run the largest step once with no cache; what the GPU has left (times utilization) goes to the pool."""
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.config.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = self.model.model.embed_tokens(ids)
-        for layer in self.model.model.layers:  # MLP dominates activation memory; attention is paged
+        n, decoder = self.config.max_num_batched_tokens, self.model.model
+        if self.stage.is_first:
+            hidden = decoder.embed_tokens(torch.zeros(n, dtype=torch.long, device=self.device))
+        else:
+            hidden = torch.zeros(n, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        for layer in decoder.local_layers:  # MLP dominates activation memory; attention is paged
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        if self.stage.is_last:
+            self.model.compute_logits(hidden[-self.config.max_num_seqs :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -204,7 +210,7 @@ class ModelRunner:
         payload = torch.tensor([*tokens, *positions, *slots, *starts, *ctx_lens, *tables, *logit_rows,
                                 *(s for s, _ in copies), *(d for _, d in copies), *prompt_rows, *lora_slots],
                                dtype=torch.long)
-        if self.shard.size > 1:
+        if self.world_size > 1:
             dist.broadcast(torch.tensor(header), src=0, group=self.control)
             dist.broadcast(payload, src=0, group=self.control)
         return self._run(header, payload)
@@ -217,14 +223,21 @@ class ModelRunner:
             header = header.tolist()
             if header[0] == STOP:
                 return
+            if header[0] == PING:
+                continue
             _, items, tokens, max_blocks, logits, copies = header
             payload = torch.empty(3 * tokens + 4 * items + 1 + items * max_blocks + logits + 2 * copies,
                                   dtype=torch.long)
             dist.broadcast(payload, src=0, group=self.control)
             self._run(header, payload)
 
+    def ping_workers(self) -> None:
+        """An empty packet: raises if a rank is gone (the idle leader's check that every rank still answers)."""
+        if self.world_size > 1:
+            dist.broadcast(torch.tensor([PING] + [0] * (HEADER - 1)), src=0, group=self.control)
+
     def stop_workers(self) -> None:
-        if self.shard.size > 1 and self.shard.rank == 0:
+        if self.world_size > 1:  # (called on rank 0)
             dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1)), src=0, group=self.control)
 
     @torch.inference_mode()
@@ -248,12 +261,27 @@ class ModelRunner:
         )
         if self.lora is not None:  # this step's rows per adapter slot, for every LoRA Linear
             self.lora.step = LoRAStep.of(starts_list, lora_slots.tolist(), self.device)
+        stage = self.stage
+        received = None
+        if not stage.is_first:
+            received = pp.recv_activations(n_tokens, self.model.config.hidden_size, self.dtype, self.device, stage)
         try:
-            hidden = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend)
+            out = self.model(to_dev(tokens), to_dev(positions), self.kv_caches, meta, self.backend, received)
         finally:
             if self.lora is not None:
                 self.lora.step = LoRAStep()
-        return self.model.compute_logits(hidden[to_dev(logit_rows)])
+        vocab = self.model.config.vocab_size
+        if not stage.is_last:  # hand on; rank 0 then waits for the last stage's logits
+            pp.send_activations(*out, stage)
+            if not stage.is_first or self.shard.rank:
+                return None
+            if not n_logits:
+                return torch.empty(0, vocab, device=self.device)
+            return pp.recv_logits(n_logits, vocab, self.device, stage)
+        logits = self.model.compute_logits(out[to_dev(logit_rows)])
+        if stage.size > 1 and self.shard.rank == 0 and n_logits:
+            pp.send_logits(logits)
+        return logits
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model's device: from pinned memory without blocking on a GPU (the copy overlaps the

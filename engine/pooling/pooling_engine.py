@@ -40,8 +40,8 @@ class PoolingEngine:
         self.pooler: Pooler = resolve_pooler(self.model_dir, self.hf_config, config.pooler_config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.tensor_parallel_size != 1:
-            raise ValueError("--tensor-parallel-size: the pooling runner runs on one device")
+        if config.tensor_parallel_size * config.pipeline_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size, --pipeline-parallel-size: the pooling runner runs on one device")
         self.model = self._load_model()
         limit = min(x for x in (self.hf_config.max_position_embeddings, self.pooler.max_seq_length) if x)
         if config.max_model_len is not None and config.max_model_len > limit:
