@@ -143,7 +143,7 @@ class LLMEngine:
             raise ValueError(f"--pipeline-parallel-size {pp}: the model cannot be split: {problem}")
         self.workers = Workers(c, self.model_dir)
         try:
-            shard, stage, control = join(0, c, self.workers.init_method, resolve_device(c.device))
+            shard, stage, control = join(0, c, self.workers.rendezvous, resolve_device(c.device))
         except BaseException:
             self.close()
             raise

@@ -117,23 +117,27 @@ def test_a_killed_stage_makes_the_server_report_dead_and_exit_nonzero(tiny_5_lay
         srv.stop()
 
 
-def multi_node(model: Path, tmp_path: Path) -> tuple[ServerProcess, ServerProcess]:
-    """Two `pagekube serve` processes as two nodes of one engine (TP 1 x PP 2): the leader serves the API."""
+def multi_node(model: Path, tmp_path: Path, worker_delay: float = 0, env: dict | None = None):
+    """Two `pagekube serve` processes as two nodes of one engine (TP 1 x PP 2): the leader serves the API; the
+    worker starts `worker_delay` seconds after it (pods of a group start minutes apart)."""
     rendezvous = ["-pp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                   "--dtype", "float32"]
-    leader = ServerProcess(str(model), *rendezvous, "--node-rank", "0", log_path=tmp_path / "leader.log")
-    worker = ServerProcess(str(model), *rendezvous, "--node-rank", "1", "--headless", log_path=tmp_path / "worker.log")
+    leader = ServerProcess(str(model), *rendezvous, "--node-rank", "0", log_path=tmp_path / "leader.log", env=env)
+    time.sleep(worker_delay)
+    worker = ServerProcess(str(model), *rendezvous, "--node-rank", "1", "--headless", log_path=tmp_path / "worker.log",
+                           env=env)
     return leader, worker
 
 
 @pytest.mark.timeout(240)
-def test_multi_node_on_loopback_serves_and_a_lost_headless_node_ends_the_leader(tiny_5_layers, tmp_path):
+def test_multi_node_on_loopback_waits_for_a_late_node_serves_and_a_lost_one_ends_the_leader(tiny_5_layers, tmp_path):
     llm = LLM(str(tiny_5_layers), dtype="float32")
     try:
         reference = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].text
     finally:
         llm.close()
-    leader, worker = multi_node(tiny_5_layers, tmp_path)
+    # The leader waits for a late worker past the collective timeout (the rendezvous has its own, of minutes).
+    leader, worker = multi_node(tiny_5_layers, tmp_path, worker_delay=6, env={"PAGEKUBE_COLLECTIVE_TIMEOUT_S": "3"})
     try:
         leader.wait_ready()
         with pytest.raises(httpx.ConnectError):  # a headless node serves no API

@@ -26,13 +26,15 @@ log = logging.getLogger("pagekube.engine")
 # A peer that stops answering mid-step fails the step after this long.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PAGEKUBE_COLLECTIVE_TIMEOUT_S", "60")))
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waits for the next step packet for as long as it takes
+# Pods of a multi-node engine start minutes apart (image pulls, downloads): the leader waits this long for them.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PAGEKUBE_RENDEZVOUS_TIMEOUT_S", "1800")))
 
 
 def ranks_per_node(config) -> int:
     return config.tensor_parallel_size * config.pipeline_parallel_size // config.nnodes
 
 
-def join(rank: int, config, init_method: str, device: torch.device) -> tuple[TPShard, PPStage, dist.ProcessGroup]:
+def join(rank: int, config, rendezvous: tuple[str, int], device: torch.device) -> tuple[TPShard, PPStage, dist.ProcessGroup]:
     """Join the process group as `rank`: this rank's tensor shard, its pipeline stage (with its stage's TP group),
     and the gloo group of all ranks that carries the step packets (with no timeout: an idle engine sends none)."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
@@ -40,8 +42,10 @@ def join(rank: int, config, init_method: str, device: torch.device) -> tuple[TPS
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node(config)))  # the ranks share the cores
     else:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=tp * pp, timeout=COLLECTIVE_TIMEOUT)
+    host, port = rendezvous  # rank 0 listens there, the others connect (retrying until it is up)
+    store = dist.TCPStore(host, port, tp * pp, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=tp * pp,
+                            timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     # Every rank creates every stage's group, in the same order (torch.distributed requires it).
     stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if pp > 1 and tp > 1 else None
@@ -56,7 +60,7 @@ def describe(rank: int, config) -> str:
     return f"worker rank {rank} (pipeline stage {rank // config.tensor_parallel_size})"
 
 
-def worker_main(rank: int, config, model_dir, init_method: str) -> None:
+def worker_main(rank: int, config, model_dir, rendezvous: tuple[str, int]) -> None:
     from transformers import AutoConfig
 
     from pagekube.engine.logging_setup import setup_logging
@@ -64,7 +68,7 @@ def worker_main(rank: int, config, model_dir, init_method: str) -> None:
 
     setup_logging()
     device_index = rank % ranks_per_node(config)
-    shard, stage, control = join(rank, config, init_method, resolve_device(config.device, device_index))
+    shard, stage, control = join(rank, config, rendezvous, resolve_device(config.device, device_index))
     runner = ModelRunner(config, model_dir, AutoConfig.from_pretrained(model_dir), shard=shard, control=control,
                          quantization=config.quantization, stage=stage, device_index=device_index)
     runner.serve_forever()
@@ -83,14 +87,14 @@ class Workers:
     def __init__(self, config, model_dir):
         self.config = config
         if config.nnodes == 1:
-            self.init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
+            self.rendezvous = ("127.0.0.1", free_loopback_port())
         else:
-            self.init_method = f"tcp://{config.master_addr}:{config.master_port}"
+            self.rendezvous = (config.master_addr, config.master_port)
         per_node = ranks_per_node(config)
         first = config.node_rank * per_node
         self.ranks = [r for r in range(first, first + per_node) if r != 0]  # rank 0 is the engine's process
         ctx = mp.get_context("spawn")  # no fork: the parent's threads and torch state stay out of the workers
-        self.procs = [ctx.Process(target=worker_main, args=(r, config, model_dir, self.init_method), daemon=True,
+        self.procs = [ctx.Process(target=worker_main, args=(r, config, model_dir, self.rendezvous), daemon=True,
                                   name=f"pagekube-rank{r}") for r in self.ranks]
         for p in self.procs:
             p.start()
