@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagekube.operator import naming
+from pagekube.operator.leader_worker_set import engine_workload
 from pagekube.operator.spec import LLMDeploymentSpec
 
 
@@ -69,7 +70,7 @@ def build_scaled_object(name: str, namespace: str, spec: LLMDeploymentSpec) -> d
         "kind": "ScaledObject",
         "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": naming.engine_name(name)},
+            "scaleTargetRef": dict(zip(("apiVersion", "kind", "name"), engine_workload(name, spec), strict=True)),
             "minReplicaCount": a.min_replicas,
             "maxReplicaCount": a.max_replicas,
             "pollingInterval": a.polling_interval,

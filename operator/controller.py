@@ -30,7 +30,8 @@ CONTROLLER = "llmdeployment"
 PLURALS = {"Service": "services", "ConfigMap": "configmaps", "Deployment": "deployments",
            "ScaledObject": "scaledobjects", "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
            "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies",
-           "PersistentVolumeClaim": "persistentvolumeclaims", "InferencePool": "inferencepools"}
+           "PersistentVolumeClaim": "persistentvolumeclaims", "InferencePool": "inferencepools",
+           "LeaderWorkerSet": "leaderworkersets"}
 MANAGED = f"app.kubernetes.io/managed-by={naming.MANAGED_BY}"
 CHILD_EVENT_DELAY = 0.5  # seconds; drift is still restored well within 2 s
 
@@ -93,7 +94,7 @@ class Controller:
                                   for ns in scopes]
             for api_version, kind in OWNED_KINDS}
         # Engine pods, for the GPU check only (a pod the scheduler cannot place): cached, never listed per pass.
-        self.pods = [Informer(api, "v1", "Pod", "pods", ns, f"{MANAGED},app.kubernetes.io/component=engine",
+        self.pods = [Informer(api, "v1", "Pod", "pods", ns, f"{MANAGED},{naming.ENGINE_PODS}",
                               naming.OWNER_LABEL, self._pod_changed) for ns in scopes]
         self.reconciler = Reconciler(api, cache=self)
         self._stop = threading.Event()

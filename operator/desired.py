@@ -15,6 +15,7 @@ from pagekube.operator.engine_deployment import (
     uses_model_cache,
 )
 from pagekube.operator.inference_pool import build_inference_pool
+from pagekube.operator.leader_worker_set import build_engine_leader_worker_set
 from pagekube.operator.monitoring import build_prometheus_rule, build_service_monitor
 from pagekube.operator.network_policy import build_engine_network_policy
 from pagekube.operator.nginx import build_nginx_configmap, build_nginx_deployment, build_nginx_service
@@ -41,7 +42,8 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
     objects += [
         build_engine_service(name, namespace),
         build_headless_service(name, namespace),
-        build_engine_deployment(name, namespace, spec, replicas, gpu_starved),
+        build_engine_leader_worker_set(name, namespace, spec, replicas, gpu_starved)
+        if spec.engine.pipeline_parallel_size > 1 else build_engine_deployment(name, namespace, spec, replicas, gpu_starved),
     ]
     if spec.load_balancer.enabled:
         objects += [

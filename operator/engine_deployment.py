@@ -10,6 +10,7 @@ from pagekube.operator import engine_flags, naming
 from pagekube.operator.adapters import adapter_volumes, lora_flags
 from pagekube.operator.availability import topology_spread
 from pagekube.operator.model_revision import DOWNLOAD_CONTAINER
+from pagekube.operator.multi_node import RENDEZVOUS_PORT, multi_node_flags
 from pagekube.operator.placement import engine_placement
 from pagekube.operator.pod_security import container_security_context, pod_security_context
 from pagekube.operator.rollout import deployment_strategy
@@ -72,8 +73,9 @@ def build_model_cache_claim(name: str, namespace: str, spec: LLMDeploymentSpec) 
             "metadata": naming.metadata(naming.model_cache_name(name), namespace, name, "engine"), "spec": claim}
 
 
-def engine_args(spec: LLMDeploymentSpec) -> list[str]:
-    """`pagekube serve` arguments for this spec, through the engine's own flag schema."""
+def engine_args(spec: LLMDeploymentSpec, group_role: str | None = None) -> list[str]:
+    """`pagekube serve` arguments for this spec, through the engine's own flag schema. `group_role`: "leader" or
+    "worker" for a pod of a pipeline-parallel group (operator/leader_worker_set.py)."""
     e, cpu_only = spec.engine, spec.resources.gpu == 0
     return engine_flags.to_args({
         "model": model_path(spec),
@@ -89,6 +91,8 @@ def engine_args(spec: LLMDeploymentSpec) -> list[str]:
         "max_num_batched_tokens": e.max_num_batched_tokens,
         "block_size": e.block_size,
         "tensor_parallel_size": e.tensor_parallel_size if e.tensor_parallel_size > 1 else None,
+        "pipeline_parallel_size": e.pipeline_parallel_size if e.pipeline_parallel_size > 1 else None,
+        **multi_node_flags(spec, group_role),
         "enable_prefix_caching": e.enable_prefix_caching,
         "drain_timeout": spec.drain.timeout_seconds,
         **lora_flags(spec),
@@ -176,9 +180,9 @@ def _probe(path: str, period: int, failures: int) -> dict:
     }
 
 
-def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, replicas: int | None = None,
-                            gpu_starved: bool = False) -> dict:
-    """`replicas` and `gpu_starved` are what the operator sees live (rollout.deployment_strategy's inputs)."""
+def engine_pod_template(name: str, spec: LLMDeploymentSpec, group_role: str | None = None) -> dict:
+    """The engine pod. `group_role` "leader": a pipeline-parallel group's first pod, which serves the API (and the
+    rendezvous); "worker": one of the others, headless (no API: no probes, no preStop, not selected by Services)."""
     grace = grace_period_seconds(spec)
     volumes, init_containers = _model_volume_and_init(name, spec)
     mounts = [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}] if volumes else []
@@ -193,12 +197,15 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
     init_containers += adapter_inits
     volumes += [v.model_dump(by_alias=True) for v in e.volumes]
     mounts += [m.model_dump(by_alias=True) for m in e.volume_mounts]
+    ports = [{"name": "http", "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}]
+    if group_role == "leader":
+        ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
     container = {
         "name": "engine",
         "image": spec.engine.image,
         "command": ["pagekube", "serve"],
-        "args": engine_args(spec),
-        "ports": [{"name": "http", "containerPort": naming.ENGINE_PORT, "protocol": "TCP"}],
+        "args": engine_args(spec, group_role),
+        "ports": ports,
         "env": _env(spec),
         **({"envFrom": _env_from(spec)} if e.env_from else {}),
         "resources": _resources(spec),
@@ -231,23 +238,34 @@ def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, 
     if spread := topology_spread(name, "engine", spec):
         pod_spec["topologySpreadConstraints"] = spread
     pod_spec.update(engine_placement(spec))
+    if group_role == "worker":  # a headless rank: no API to probe; it stops when the leader stops it
+        for key in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
+            container.pop(key)
+        return {"metadata": {"labels": {**e.pod_labels, **naming.labels(name, naming.ENGINE_WORKER)},
+                             "annotations": {**e.pod_annotations, "kubectl.kubernetes.io/default-container": "engine"}},
+                "spec": pod_spec}
+    return {
+        "metadata": {
+            "labels": {**e.pod_labels, **naming.labels(name, "engine")},  # the selector's labels stay ours
+            "annotations": {
+                **e.pod_annotations,
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(naming.ENGINE_PORT),
+                "prometheus.io/path": "/metrics",
+                "kubectl.kubernetes.io/default-container": "engine",
+            },
+        },
+        "spec": pod_spec,
+    }
 
+
+def build_engine_deployment(name: str, namespace: str, spec: LLMDeploymentSpec, replicas: int | None = None,
+                            gpu_starved: bool = False) -> dict:
+    """`replicas` and `gpu_starved` are what the operator sees live (rollout.deployment_strategy's inputs)."""
     deployment_spec: dict = {
         "selector": {"matchLabels": naming.selector(name, "engine")},
         "strategy": deployment_strategy(spec, replicas, gpu_starved),
-        "template": {
-            "metadata": {
-                "labels": {**e.pod_labels, **naming.labels(name, "engine")},  # the selector's labels stay ours
-                "annotations": {
-                    **e.pod_annotations,
-                    "prometheus.io/scrape": "true",
-                    "prometheus.io/port": str(naming.ENGINE_PORT),
-                    "prometheus.io/path": "/metrics",
-                    "kubectl.kubernetes.io/default-container": "engine",
-                },
-            },
-            "spec": pod_spec,
-        },
+        "template": engine_pod_template(name, spec),
     }
     if not spec.autoscaling.enabled:  # with autoscaling on, KEDA's HPA owns replicas: never write them
         deployment_spec["replicas"] = spec.replicas

@@ -8,11 +8,18 @@ MANAGED_BY = "pagekube-operator"
 OWNER_LABEL = f"{GROUP}/llmdeployment"
 ENGINE_PORT = 8000
 ACTIVATOR_PORT = 8081
+ENGINE_WORKER = "engine-worker"  # the component of a pipeline-parallel group's pods other than its leader
 LB_PORT = 8080  # nginx listens unprivileged (non-root container); the LB Service maps 80 -> 8080
 
 
 def engine_name(name: str) -> str:
     return f"{name}-engine"
+
+
+def engine_group_name(name: str) -> str:
+    """The LeaderWorkerSet of pipeline-parallel engines (not engine_name: LWS makes a headless Service of its own
+    name, and the engine Service has that one)."""
+    return f"{name}-engine-group"
 
 
 def headless_name(name: str) -> str:
@@ -53,6 +60,13 @@ def selector(name: str, component: str) -> dict[str, str]:
 
 def selector_string(name: str, component: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector(name, component).items())
+
+
+ENGINE_PODS = f"app.kubernetes.io/component in (engine,{ENGINE_WORKER})"  # leaders and workers of a group
+
+
+def engine_pods_selector(name: str) -> str:
+    return f"app.kubernetes.io/instance={name},{OWNER_LABEL}={name},{ENGINE_PODS}"
 
 
 def metadata(object_name: str, namespace: str, name: str, component: str) -> dict:

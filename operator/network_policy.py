@@ -1,5 +1,6 @@
 """An optional NetworkPolicy for the engine pods: they take connections only from this deployment's NGINX and
-activator (the request path) and from the monitoring namespaces (Prometheus' scrapes). Off by default: a cluster
+activator (the request path), from the monitoring namespaces (Prometheus' scrapes) and, when an engine spans pods,
+from the other pods of its group (any port). Off by default: a cluster
 whose network plugin enforces policies decides to turn it on."""
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ def build_engine_network_policy(name: str, namespace: str, spec: LLMDeploymentSp
     scrapers = {"namespaceSelector": {"matchExpressions": [{
         "key": "kubernetes.io/metadata.name", "operator": "In",
         "values": list(spec.network_policy.monitoring_namespaces)}]}}
+    pods = {"matchLabels": naming.selector(name, "engine")}
+    ingress = [{"from": peers, "ports": port}, {"from": [scrapers], "ports": port}]
+    if spec.engine.pipeline_parallel_size > 1:  # a group's ranks meet on the rendezvous port and gloo/NCCL's own
+        pods = group_pods(name)
+        ingress.append({"from": [{"podSelector": group_pods(name)}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": naming.metadata(naming.engine_name(name), namespace, name, "engine"),
-        "spec": {
-            "podSelector": {"matchLabels": naming.selector(name, "engine")},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": peers, "ports": port}, {"from": [scrapers], "ports": port}],
-        },
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+def group_pods(name: str) -> dict:
+    """The leaders and workers of a pipeline-parallel engine's groups."""
+    match = {k: v for k, v in naming.selector(name, "engine").items() if k != "app.kubernetes.io/component"}
+    return {"matchLabels": match, "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                                        "values": ["engine", naming.ENGINE_WORKER]}]}

@@ -25,8 +25,10 @@ from kubernetes.utils import parse_quantity
 
 from pagekube.operator import naming
 from pagekube.operator.desired import desired_objects
+from pagekube.operator.leader_worker_set import engine_workload
 from pagekube.operator.metrics_check import check_metrics
 from pagekube.operator.model_revision import model_status, pinned_commit, pinned_spec
+from pagekube.operator.multi_node import unscheduled_group_pod
 from pagekube.operator.rollout import insufficient_gpu, rolling_out
 from pagekube.operator.spec import GROUP, PLURAL, VERSION, LLMDeploymentSpec
 from pagekube.operator.status import compute_status, merge_transition_times, status_changed
@@ -46,9 +48,11 @@ OWNED_KINDS = [
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
 ]
 CRD_HINT = {"keda.sh/v1alpha1": "KEDA", "monitoring.coreos.com/v1": "prometheus-operator",
-            "inference.networking.k8s.io/v1": "the Gateway API Inference Extension's CRDs"}
+            "inference.networking.k8s.io/v1": "the Gateway API Inference Extension's CRDs",
+            "leaderworkerset.x-k8s.io/v1": "LeaderWorkerSet (sigs.k8s.io/lws)"}
 
 
 def contains(live, want) -> bool:
@@ -172,7 +176,7 @@ class Reconciler:
     def _engine_pods(self, name: str, namespace: str) -> list[dict]:
         if self.cache is not None:
             return self.cache.engine_pods(namespace, name)
-        listed = self.core.list_namespaced_pod(namespace, label_selector=naming.selector_string(name, "engine"))
+        listed = self.core.list_namespaced_pod(namespace, label_selector=naming.engine_pods_selector(name))
         return self.api.sanitize_for_serialization(listed)["items"]
 
     def _pods_waiting_for_gpu(self, name: str, namespace: str, spec: LLMDeploymentSpec, live_engine: dict | None) -> str | None:
@@ -180,6 +184,14 @@ class Reconciler:
         if spec.resources.gpu == 0 or not rolling_out(live_engine):
             return None
         return insufficient_gpu(self._engine_pods(name, namespace), spec.resources.gpu_resource_name)
+
+    def _group_not_scheduled(self, name: str, namespace: str, spec: LLMDeploymentSpec, live_engine: dict | None) -> str | None:
+        """For a LeaderWorkerSet with groups not ready: 'pod X: the scheduler's message' for a pod it cannot place."""
+        if spec.engine.pipeline_parallel_size == 1 or live_engine is None:
+            return None
+        if ((live_engine.get("status") or {}).get("readyReplicas") or 0) >= live_engine["spec"].get("replicas", 1):
+            return None
+        return unscheduled_group_pod(self._engine_pods(name, namespace))
 
     def _pinned_commit(self, name: str, namespace: str, spec: LLMDeploymentSpec, status: dict | None) -> str | None:
         """The hf:// commit the pods download (operator/model_revision.py); pods are read only until one is known."""
@@ -197,11 +209,18 @@ class Reconciler:
         spec_as_run = pinned_spec(spec, commit)  # what the pods download: the spec's revision, or the pinned commit
         result = ReconcileResult(problems=self.secrets.problems(namespace, spec))
         blocked = bool(result.problems)
-        deployment = gpu_wait = metrics = None
+        deployment = gpu_wait = group_wait = metrics = None
+        engine_api, engine_kind, engine_object = engine_workload(name, spec)
         if not blocked:
             live = self._live_children(name, namespace)
-            live_engine = (live[("apps/v1", "Deployment")] or {}).get(naming.engine_name(name))
+            if live.get((engine_api, engine_kind)) is None:  # nothing could run the engines: refuse the spec
+                result.problems.append(("MissingCRD", f"{engine_kind} ({engine_api}) is not served: install "
+                                        f"{CRD_HINT[engine_api]} or set engine.pipelineParallelSize to 1"))
+                blocked = True
+        if not blocked:
+            live_engine = live[(engine_api, engine_kind)].get(engine_object)
             gpu_wait = self._pods_waiting_for_gpu(name, namespace, spec, live_engine)
+            group_wait = self._group_not_scheduled(name, namespace, spec, live_engine)
             replicas = (live_engine or {}).get("spec", {}).get("replicas") if spec.autoscaling.enabled else None
             wanted = desired_objects(name, namespace, uid, spec_as_run, replicas, gpu_starved=gpu_wait is not None)
             for obj in wanted:
@@ -212,14 +231,14 @@ class Reconciler:
                                                           f"install {hint} or turn that feature off"))
                     continue
                 current = self._apply(obj, of_kind.get(obj["metadata"]["name"]), result)
-                if obj["kind"] == "Deployment" and obj["metadata"]["name"] == naming.engine_name(name):
+                if obj["kind"] == engine_kind and obj["metadata"]["name"] == engine_object:
                     deployment = current
             self._prune(namespace, uid, live, {(o["kind"], o["metadata"]["name"]) for o in wanted}, result)
             if spec.autoscaling.enabled:
                 ready = ((deployment or {}).get("status") or {}).get("readyReplicas") or 0
                 metrics = check_metrics(name, namespace, spec, ready)
         new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked,
-                             gpu_wait, metrics)
+                             gpu_wait, metrics, group_wait)
         new["model"] = model_status(spec, commit)
         old = body.get("status") or {}
         new = merge_transition_times(new, old)

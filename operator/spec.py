@@ -129,6 +129,9 @@ class EngineSpec(_Spec):
                    "volumes"}]})
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over (--tensor-parallel-size)")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, le=64, description="Pods (nodes) one engine spans, a pipeline stage each (--pipeline-parallel-size): "
+        "each replica is a LeaderWorkerSet group of this many pods with resources.gpu GPUs each")
     # Defaults and ranges are the engine's own (engine_flags.json); block sizes are those every backend runs.
     gpu_memory_utilization: float = Field(flags.default("gpu_memory_utilization"),
                                           gt=flags.bound("gpu_memory_utilization", "exclusiveMinimum"),
@@ -340,8 +343,10 @@ class LLMDeploymentSpec(_Spec):
                     "message": "adapters: an adapter cannot take the model's own name",
                 },
                 {
-                    "rule": "!has(self.adapters) || size(self.adapters) == 0 || self.engine.tensorParallelSize == 1",
-                    "message": "adapters: LoRA with engine.tensorParallelSize > 1 is not supported yet",
+                    "rule": "!has(self.adapters) || size(self.adapters) == 0 || (self.engine.tensorParallelSize == 1 "
+                            "&& self.engine.pipelineParallelSize == 1)",
+                    "message": "adapters: LoRA with engine.tensorParallelSize or pipelineParallelSize > 1 is not "
+                               "supported yet",
                 },
             ]
         }
@@ -375,6 +380,7 @@ class LLMDeploymentSpec(_Spec):
             raise ValueError(f"adapters: each name once (got {names})")
         if self.model.name in names:
             raise ValueError("adapters: an adapter cannot take the model's own name")
-        if names and self.engine.tensor_parallel_size > 1:
-            raise ValueError("adapters: LoRA with engine.tensorParallelSize > 1 is not supported yet")
+        if names and self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size > 1:
+            raise ValueError("adapters: LoRA with engine.tensorParallelSize or pipelineParallelSize > 1 is not "
+                             "supported yet")
         return self

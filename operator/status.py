@@ -22,13 +22,14 @@ def _condition(kind: str, ok: bool, reason: str, message: str, generation: int) 
 
 
 def _rollout(deployment: dict | None, autoscaling: bool) -> tuple[bool, bool, str, str]:
-    """(progressing, ready, reason, message) of the engine Deployment."""
+    """(progressing, ready, reason, message) of the engine Deployment (or LeaderWorkerSet: its replicas are groups,
+    and a ready group is an available one)."""
     if deployment is None:
-        return True, False, "Creating", "engine Deployment is being created"
+        return True, False, "Creating", "engine workload is being created"
     status = deployment.get("status") or {}
     want = (deployment.get("spec") or {}).get("replicas", 1)
     ready = status.get("readyReplicas", 0)
-    available = status.get("availableReplicas", 0)
+    available = status.get("availableReplicas", ready if deployment.get("kind") == "LeaderWorkerSet" else 0)
     updated = status.get("updatedReplicas", 0)
     observed = status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 0)
     if want == 0:
@@ -41,10 +42,12 @@ def _rollout(deployment: dict | None, autoscaling: bool) -> tuple[bool, bool, st
 
 def compute_status(name: str, namespace: str, generation: int, spec: LLMDeploymentSpec,
                    deployment: dict | None, problems: list[tuple[str, str]], blocked: bool = False,
-                   gpu_wait: str | None = None, metrics: MetricsCheck | None = None) -> dict:
+                   gpu_wait: str | None = None, metrics: MetricsCheck | None = None,
+                   group_wait: str | None = None) -> dict:
     """The status to write. `problems` are (reason, message) pairs of what is wrong; `blocked`: they keep the
     engines from being created at all (else, e.g. KEDA missing, the engines may still serve). `gpu_wait`: the
-    scheduler's message for an engine pod waiting for a GPU; `metrics`: the autoscaling metric check, if run."""
+    scheduler's message for an engine pod waiting for a GPU; `metrics`: the autoscaling metric check, if run;
+    `group_wait`: 'pod X: message' for a pod of a pipeline-parallel group the scheduler cannot place."""
     progressing, ready, reason, message = _rollout(deployment, spec.autoscaling.enabled)
     if problems:
         degraded = _condition("Degraded", True, problems[0][0], "; ".join(m for _, m in problems), generation)
@@ -58,6 +61,9 @@ def compute_status(name: str, namespace: str, generation: int, spec: LLMDeployme
         progressing_cond = _condition("Progressing", progressing, reason if progressing else "Complete", message, generation)
     if gpu_wait and not blocked:  # the rollout cannot finish until a GPU frees up: stalled, not progressing
         progressing_cond = _condition("Progressing", False, "InsufficientGPU", gpu_wait, generation)
+    if group_wait and not blocked:  # its other pods hold their GPUs and serve nothing until this one is placed
+        progressing_cond = _condition("Progressing", False, "GroupPartiallyScheduled",
+                                      f"an engine group cannot start: {group_wait}", generation)
     conditions = [ready_cond, progressing_cond, degraded]
     if metrics is not None:
         conditions.append({"type": "MetricsAvailable", "status": metrics.status, "reason": metrics.reason,
