@@ -39,6 +39,15 @@ def test_tensor_parallel_comm_benchmark_smoke():
     assert "greedy output equals one rank's: yes" in out.stdout and "| all_reduce |" in out.stdout
 
 
+def test_pipeline_parallel_comm_benchmark_smoke():
+    """PP=2 and TP=2 against one process on a tiny model (the script asserts equal greedy output in every run)."""
+    out = subprocess.run([sys.executable, str(REPO / "bench/pp_comm.py"), "--smoke"], capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "equals one process's in every run: yes" in out.stdout
+    assert "| PP=2 | 2 |" in out.stdout and "1 send, 1 recv" in out.stdout and "| TP=2 | 2 |" in out.stdout
+
+
 def test_peer_benchmark_smoke():
     """pagekube serve (and llama.cpp's llama-server where bench/build_llama_server.sh already built it) on the same
     token-id prompts; the script asserts every stream's exact output token count."""
