@@ -3,6 +3,7 @@
 #   kubelet, kube-scheduler, kube-proxy  <- the same k8s.io/kubernetes wrapper module as e2e/controlplane (go.mod there)
 #   CoreDNS                             <- github.com/coredns/coredns (plain `go install`: no replace directives)
 #   KEDA operator + metrics adapter     <- github.com/kedacore/keda/v2 (its go.mod has a replace: built inside a copy)
+#   LeaderWorkerSet controller          <- sigs.k8s.io/lws (v0.10.0 is not on the proxy; v0.9.0 is the newest there)
 #   argocd-health                       <- e2e/argocd: Argo CD's settings + Lua health code (github.com/argoproj/argo-cd/v3)
 # Run by e2e/node/images.sh (and so by scripts/test-deps.sh).
 # Output (stdout): KEY=path lines, like e2e/controlplane/build.sh.
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/../controlplane"
 . ./k8s-version.sh
 COREDNS=v1.14.7
 KEDA=v2.21.0  # the version whose CRDs e2e/controlplane/build.sh fetches
+LWS=v0.9.0    # likewise
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 BIN=$CACHE/node/k8s-$K8S-coredns-$COREDNS
 log() { echo "[node] $*" >&2; }
@@ -39,6 +41,18 @@ if [ ! -x "$KEDA_BIN/keda-adapter" ]; then
   rm -rf "$tmp" "$KEDA_BIN" && mv "$KEDA_BIN.tmp" "$KEDA_BIN"
   log "KEDA built in $((SECONDS - start)) s"
 fi
+LWS_BIN=$CACHE/node/lws-$LWS
+if [ ! -f "$LWS_BIN/leaderworkerset.x-k8s.io_leaderworkersets.yaml" ]; then
+  log "building the LeaderWorkerSet $LWS controller into $LWS_BIN (a few minutes, once)"
+  start=$SECONDS
+  src=$(go mod download -json "sigs.k8s.io/lws@$LWS" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  tmp=$(mktemp -d) && cp -r "$src/." "$tmp/" && chmod -R u+w "$tmp"
+  mkdir -p "$LWS_BIN.tmp"
+  (cd "$tmp" && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath -ldflags '-s -w' -o "$LWS_BIN.tmp/lws-manager" ./cmd)
+  cp "$tmp"/config/crd/bases/*.yaml "$LWS_BIN.tmp/"  # the manager also runs DisaggregatedSet: it needs both CRDs
+  rm -rf "$tmp" "$LWS_BIN" && mv "$LWS_BIN.tmp" "$LWS_BIN"
+  log "LeaderWorkerSet built in $((SECONDS - start)) s"
+fi
 # Rebuilt when its source or pinned modules change: the hash of e2e/argocd names the cache folder.
 ARGOCD_BIN=$CACHE/node/argocd-health-$(cat ../argocd/go.mod ../argocd/go.sum ../argocd/main.go | sha256sum | cut -c1-12)
 if [ ! -x "$ARGOCD_BIN/argocd-health" ]; then
@@ -50,4 +64,5 @@ if [ ! -x "$ARGOCD_BIN/argocd-health" ]; then
 fi
 echo "PAGEKUBE_NODE_BIN=$BIN"
 echo "PAGEKUBE_KEDA_BIN=$KEDA_BIN"
+echo "PAGEKUBE_LWS_BIN=$LWS_BIN"
 echo "PAGEKUBE_ARGOCD_HEALTH=$ARGOCD_BIN/argocd-health"

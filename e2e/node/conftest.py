@@ -130,3 +130,11 @@ def keda(node):
     yield PROMETHEUS_URL
     discovery.stopped.set()
     discovery.join()
+
+
+@pytest.fixture(scope="session")
+def leaderworkerset(node):
+    """The LeaderWorkerSet controller (and its CRD and webhooks), started once for the multi-node tests."""
+    from e2e.node.leaderworkerset import start_leaderworkerset
+
+    start_leaderworkerset(node, node.tools["PAGEKUBE_LWS_BIN"])
