@@ -17,32 +17,11 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch.distributed as dist
+from dist_tally import StepTimer, Tally  # bench/ is on the path when a script here runs
 
 OPS = ("all_reduce", "broadcast", "gather", "send", "recv")
-
-
-class Tally:
-    """Wraps a torch.distributed call in this process (rank 0): calls, bytes, seconds."""
-
-    def __init__(self, name: str):
-        self.name, self.calls, self.bytes, self.seconds = name, 0, 0, 0.0
-        self.inner = getattr(dist, name)
-        setattr(dist, name, self)
-
-    def __call__(self, tensor, *args, **kwargs):
-        start = time.perf_counter()
-        out = self.inner(tensor, *args, **kwargs)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        self.bytes += tensor.numel() * tensor.element_size()
-        return out
-
-    def restore(self) -> None:
-        setattr(dist, self.name, self.inner)
 
 
 def measure(model: str, batch: int, max_tokens: int, reference: list, **parallel) -> dict:
@@ -54,18 +33,7 @@ def measure(model: str, batch: int, max_tokens: int, reference: list, **parallel
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # also warms up
         assert got == reference, "greedy output with parallelism must equal one process's"
-        steps, step_time = 0, 0.0
-        step = llm.engine.step
-
-        def timed_step():
-            nonlocal steps, step_time
-            start = time.perf_counter()
-            out = step()
-            step_time += time.perf_counter() - start
-            steps += 1
-            return out
-
-        llm.engine.step = timed_step
+        timer = StepTimer(llm.engine)
         tallies = [Tally(n) for n in OPS]
         try:
             llm.generate(prompts, params)
@@ -74,8 +42,9 @@ def measure(model: str, batch: int, max_tokens: int, reference: list, **parallel
                 t.restore()
     finally:
         llm.close()
+    steps = timer.steps
     row = {"parallel": " x ".join(f"{k.split('_')[0].upper()[:1]}P={v}" for k, v in parallel.items()) or "one process",
-           "batch": batch, "ms_per_step": step_time / steps * 1e3,
+           "batch": batch, "ms_per_step": timer.seconds / steps * 1e3,
            "ops": {t.name: {"per_step": t.calls / steps, "bytes_per_step": t.bytes / steps,
                             "ms_per_step": t.seconds / steps * 1e3} for t in tallies if t.calls}}
     if "recv" in row["ops"]:  # rank 0 waits in recv for stage 1's forward and both transfers

@@ -14,27 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import torch.distributed as dist
-
-
-class Tally:
-    """Wraps a torch.distributed collective in this process (rank 0): calls, bytes, seconds."""
-
-    def __init__(self, name: str):
-        self.name, self.calls, self.bytes, self.seconds = name, 0, 0, 0.0
-        self.inner = getattr(dist, name)
-        setattr(dist, name, self)
-
-    def __call__(self, tensor, *args, **kwargs):
-        start = time.perf_counter()
-        out = self.inner(tensor, *args, **kwargs)
-        self.seconds += time.perf_counter() - start
-        self.calls += 1
-        self.bytes += tensor.numel() * tensor.element_size()
-        return out
+from dist_tally import StepTimer, Tally  # bench/ is on the path when a script here runs
 
 
 def main() -> None:
@@ -63,22 +45,12 @@ def main() -> None:
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # also warms up
         assert got == reference, "greedy output with tensor parallelism must equal one rank's"
-        steps, step_time = 0, 0.0
-        step = llm.engine.step
-
-        def timed_step():
-            nonlocal steps, step_time
-            start = time.perf_counter()
-            out = step()
-            step_time += time.perf_counter() - start
-            steps += 1
-            return out
-
-        llm.engine.step = timed_step
+        timer = StepTimer(llm.engine)
         tallies = [Tally(n) for n in ("all_reduce", "broadcast", "gather")]
         llm.generate(prompts, params)
     finally:
         llm.close()
+    steps, step_time = timer.steps, timer.seconds
     print(f"greedy output equals one rank's: yes\nTP={args.tp}, batch {args.batch}, {args.max_tokens} output tokens each: {steps} steps, "
           f"{step_time / steps * 1e3:.1f} ms per step")
     print("| collective (rank 0) | calls / step | bytes / step | ms / step | share of the step |")

@@ -17,7 +17,14 @@ from pagekube.engine import LLM
 from pagekube.engine.distributed.pipeline_parallel import PPStage
 from tests.conftest import write_tiny_llama
 from tests.server_process import ServerProcess, free_port
-from tests.test_tensor_parallel import GREEDY, PROMPTS, generate, worker_pids
+from tests.test_tensor_parallel import (
+    GREEDY,
+    PROMPTS,
+    assert_bundled_model_unchanged_under_pressure,
+    generate,
+    stream_until_killed,
+    worker_pids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +54,8 @@ def test_pipeline_parallel_greedy_equals_one_process(tiny_5_layers, tp, pp):
 
 
 def test_bundled_model_in_two_stages_with_chunked_prefill_prefix_caching_and_preemption(bundled_dir):
-    shared = "You are a helpful assistant. Answer in one short sentence. Question: "
-    prompts = [shared + q for q in ("What is a pod?", "What is a node?", "What is etcd?", "Why use a GPU?")]
-    reference, _ = generate(bundled_dir, prompts)
     stage_block = 2 * 15 * 16 * 3 * 64 * 4  # 15 layers per stage, 3 KV heads, float32
-    got, llm = generate(bundled_dir, prompts, pipeline_parallel_size=2, max_num_batched_tokens=24,
-                        enable_prefix_caching=True, kv_cache_memory=9 * stage_block)
-    assert got == reference
-    engine = llm.engine
-    assert engine.runner.num_blocks == 9 and engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.prefix_cache_hits > 0
+    assert_bundled_model_unchanged_under_pressure(bundled_dir, stage_block, pipeline_parallel_size=2)
 
 
 def test_a_model_with_fewer_layers_than_stages_is_refused(tiny_5_layers):
@@ -91,16 +90,6 @@ def test_an_idle_engine_outlives_the_collective_timeout(tiny_5_layers, monkeypat
         assert len(llm.generate(PROMPTS[:1])[0].outputs[0].token_ids) > 0
     finally:
         llm.close()
-
-
-def stream_until_killed(url: str, model: str, kill) -> list[str]:
-    """Start a long stream, run `kill()` once it is generating, and return the rest of the stream."""
-    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as stream:
-        lines = stream.iter_lines()
-        assert next(lines).startswith("data: ")
-        kill()
-        return list(lines)
 
 
 @pytest.mark.timeout(240)

@@ -41,17 +41,23 @@ def test_tensor_parallel_greedy_equals_one_rank(tiny_4q_2kv, size):
     assert (attn.num_heads, attn.num_kv_heads) == (4 // size, 2 // size if size <= 2 else 1)
 
 
-def test_bundled_model_over_three_ranks_with_chunked_prefill_prefix_caching_and_preemption(bundled_dir):
+def assert_bundled_model_unchanged_under_pressure(bundled_dir, rank_block_bytes: int, **parallel) -> None:
+    """Greedy output equals one process's with the model split as `parallel` says, under chunked prefill (24-token
+    steps), prefix caching (a shared system prompt) and preemption (9 blocks per rank's pool)."""
     shared = "You are a helpful assistant. Answer in one short sentence. Question: "
     prompts = [shared + q for q in ("What is a pod?", "What is a node?", "What is etcd?", "Why use a GPU?")]
     reference, _ = generate(bundled_dir, prompts)
-    rank_block = 2 * 30 * 16 * 1 * 64 * 4  # one KV head per rank
-    got, llm = generate(bundled_dir, prompts, tensor_parallel_size=3, max_num_batched_tokens=24,
-                        enable_prefix_caching=True, kv_cache_memory=9 * rank_block)
+    got, llm = generate(bundled_dir, prompts, max_num_batched_tokens=24, enable_prefix_caching=True,
+                        kv_cache_memory=9 * rank_block_bytes, **parallel)
     assert got == reference
     engine = llm.engine
     assert engine.runner.num_blocks == 9 and engine.scheduler.num_preemptions > 0
     assert engine.block_manager.prefix_cache_hits > 0
+
+
+def test_bundled_model_over_three_ranks_with_chunked_prefill_prefix_caching_and_preemption(bundled_dir):
+    rank_block = 2 * 30 * 16 * 1 * 64 * 4  # 30 layers, one KV head per rank, float32
+    assert_bundled_model_unchanged_under_pressure(bundled_dir, rank_block, tensor_parallel_size=3)
 
 
 def test_a_model_that_does_not_split_is_refused(tiny_4q_2kv):
@@ -65,22 +71,27 @@ def worker_pids(parent: int) -> list[int]:
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+def stream_until_killed(url: str, model: str, kill) -> list[str]:
+    """Start a long stream, run `kill()` once it is generating, and return the rest of the stream."""
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        kill()
+        return list(lines)
+
+
 @pytest.mark.timeout(240)
 def test_a_killed_worker_makes_the_server_report_dead_and_exit_nonzero(tiny_4q_2kv):
     srv = ServerProcess(str(tiny_4q_2kv), "-tp", "2", "--dtype", "float32")
     try:
         srv.wait_ready()
         [worker] = worker_pids(srv.proc.pid)
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
-                "model": tiny_4q_2kv.name, "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True,
-                "stream": True}) as stream:
-            lines = stream.iter_lines()
-            assert next(lines).startswith("data: ")  # generating
-            os.kill(worker, signal.SIGKILL)
-            killed = time.monotonic()
-            rest = list(lines)  # the stream ends (with an error event), it does not hang
-        assert any("engine_dead" in line for line in rest), rest[-3:]
-        assert time.monotonic() - killed < 10
+        killed = []
+        rest = stream_until_killed(srv.url, tiny_4q_2kv.name,
+                                   lambda: (os.kill(worker, signal.SIGKILL), killed.append(time.monotonic())))
+        assert any("engine_dead" in line for line in rest), rest[-3:]  # the stream ended, it did not hang
+        assert time.monotonic() - killed[0] < 10
         assert srv.proc.wait(timeout=30) == 1
         assert "tensor-parallel worker rank 1 died" in srv.log()
     finally:

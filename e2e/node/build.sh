@@ -16,6 +16,12 @@ LWS=v0.9.0    # likewise
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 BIN=$CACHE/node/k8s-$K8S-coredns-$COREDNS
 log() { echo "[node] $*" >&2; }
+# A writable copy of a module's source, to build inside (a go.mod with `replace` directives cannot be `go install`ed).
+module_copy() { # MODULE@VERSION
+  local src tmp
+  src=$(go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  tmp=$(mktemp -d) && cp -r "$src/." "$tmp/" && chmod -R u+w "$tmp" && echo "$tmp"
+}
 
 if [ ! -x "$BIN/coredns" ]; then
   log "building kubelet, kube-scheduler, kube-proxy $K8S and CoreDNS $COREDNS into $BIN (several minutes, once)"
@@ -32,8 +38,7 @@ KEDA_BIN=$CACHE/node/keda-$KEDA
 if [ ! -x "$KEDA_BIN/keda-adapter" ]; then
   log "building the KEDA $KEDA operator and metrics adapter into $KEDA_BIN (about 12 minutes, once)"
   start=$SECONDS
-  src=$(go mod download -json "github.com/kedacore/keda/v2@$KEDA" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
-  tmp=$(mktemp -d) && cp -r "$src/." "$tmp/" && chmod -R u+w "$tmp"
+  tmp=$(module_copy "github.com/kedacore/keda/v2@$KEDA")
   mkdir -p "$KEDA_BIN.tmp"
   (cd "$tmp" && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath -ldflags '-s -w' -o "$KEDA_BIN.tmp/keda-operator" ./cmd/operator \
     && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath -ldflags '-s -w' -o "$KEDA_BIN.tmp/keda-adapter" ./cmd/adapter)
@@ -45,8 +50,7 @@ LWS_BIN=$CACHE/node/lws-$LWS
 if [ ! -f "$LWS_BIN/leaderworkerset.x-k8s.io_leaderworkersets.yaml" ]; then
   log "building the LeaderWorkerSet $LWS controller into $LWS_BIN (a few minutes, once)"
   start=$SECONDS
-  src=$(go mod download -json "sigs.k8s.io/lws@$LWS" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
-  tmp=$(mktemp -d) && cp -r "$src/." "$tmp/" && chmod -R u+w "$tmp"
+  tmp=$(module_copy "sigs.k8s.io/lws@$LWS")
   mkdir -p "$LWS_BIN.tmp"
   (cd "$tmp" && CGO_ENABLED=0 GOFLAGS=-buildvcs=false go build -trimpath -ldflags '-s -w' -o "$LWS_BIN.tmp/lws-manager" ./cmd)
   cp "$tmp"/config/crd/bases/*.yaml "$LWS_BIN.tmp/"  # the manager also runs DisaggregatedSet: it needs both CRDs
