@@ -162,5 +162,5 @@ class EngineConfig(BaseModel):
             notes.append("--enforce-eager is accepted: the engine always runs eagerly (no CUDA graphs)")
         if self.distributed_executor_backend not in (None, "mp"):
             notes.append(f"--distributed-executor-backend {self.distributed_executor_backend} is accepted: "
-                         "tensor-parallel workers are local processes (mp)")
+                         "worker ranks are processes the engine starts itself (mp; --nnodes across machines)")
         return notes

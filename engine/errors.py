@@ -16,7 +16,7 @@ class EngineDeadError(RuntimeError):
 
 
 class WorkerDied(RuntimeError):
-    """A tensor-parallel worker process exited: the engine cannot run without it."""
+    """A worker rank (tensor- or pipeline-parallel) exited or stopped answering: the engine cannot run without it."""
 
 
 class AdapterError(ValueError):

@@ -1,1 +1,1 @@
-"""Tensor parallelism: shards, collectives and the worker processes."""
+"""Tensor and pipeline parallelism: shards, stages, their communication, and the worker processes."""
