@@ -192,8 +192,6 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())
-                if self.engine.workers is not None:
-                    self.engine.heartbeat()
                 for out in self.engine.step():
                     self._deliver(out)
                 self._waiting_snapshot = self.engine.num_waiting

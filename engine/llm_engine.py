@@ -365,6 +365,7 @@ class LLMEngine:
             self.speculator.plan(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
+            self.heartbeat()  # an idle server steps every 0.5 s: the worker ranks are checked from here
             return []
         try:
             return self._run_step(batch)
