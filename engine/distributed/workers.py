@@ -34,7 +34,8 @@ def ranks_per_node(config) -> int:
     return config.tensor_parallel_size * config.pipeline_parallel_size // config.nnodes
 
 
-def join(rank: int, config, rendezvous: tuple[str, int], device: torch.device) -> tuple[TPShard, PPStage, dist.ProcessGroup]:
+def join(rank: int, config, rendezvous: tuple[str, int],
+         device: torch.device) -> tuple[TPShard, PPStage, dist.ProcessGroup]:
     """Join the process group as `rank`: this rank's tensor shard, its pipeline stage (with its stage's TP group),
     and the gloo group of all ranks that carries the step packets (with no timeout: an idle engine sends none)."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size

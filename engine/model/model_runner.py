@@ -62,8 +62,9 @@ class ModelRunner:
         target sizes its pool, then gets as many blocks as the target: `allocate_kv_pool`). None: sized from
         the memory budget, where `shared_bytes_per_block` is what each block also costs elsewhere (the draft's
         pool). `shard`, `stage` and `control` (a gloo group of all ranks for the step packets): this rank's part
-        under tensor and pipeline parallelism; `device_index`: its GPU on this node. `quantization`: --quantization, for the served model (a draft model's config.json says its
-        own; without the flag the checkpoint's is used)."""
+        under tensor and pipeline parallelism; `device_index`: its GPU on this node. `quantization`:
+        --quantization, for the served model (a draft model's config.json says its own; without the flag the
+        checkpoint's is used)."""
         self.config = config
         self.shard, self.stage, self.control = shard, stage, control
         self.world_size = shard.size * stage.size
