@@ -8,6 +8,7 @@ API and hosts the rendezvous; workers run --headless with their index as node ra
 
 from __future__ import annotations
 
+from pagekube.operator.rollout import unschedulable
 from pagekube.operator.spec import LLMDeploymentSpec
 
 RENDEZVOUS_PORT = 29501  # vLLM's default --master-port
@@ -26,9 +27,4 @@ def multi_node_flags(spec: LLMDeploymentSpec, group_role: str | None) -> dict:
 def unscheduled_group_pod(pods: list[dict]) -> str | None:
     """'pod NAME: the scheduler's message' for the first pod it could not place, else None. A group with one such
     pod holds the others' GPUs and serves nothing (the partial-scheduling deadlock, kubernetes-sigs/lws#167)."""
-    for pod in pods:
-        for cond in (pod.get("status") or {}).get("conditions") or []:
-            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
-                    and cond.get("reason") == "Unschedulable":
-                return f"pod {pod['metadata']['name']}: {cond.get('message', '')}"
-    return None
+    return next((f"pod {pod['metadata']['name']}: {message}" for pod, message in unschedulable(pods)), None)

@@ -8,6 +8,8 @@ surges, so capacity never drops during a rollout.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from pagekube.operator.spec import LLMDeploymentSpec
 
 SURGE = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
@@ -27,15 +29,18 @@ def deployment_strategy(spec: LLMDeploymentSpec, replicas: int | None = None, gp
     return {"Surge": SURGE, "Replace": REPLACE, "Recreate": RECREATE}[chosen]
 
 
-def insufficient_gpu(pods: list[dict], gpu_resource_name: str) -> str | None:
-    """The scheduler's message for the first pod it could not place for lack of `gpu_resource_name`, else None."""
+def unschedulable(pods: list[dict]) -> Iterator[tuple[dict, str]]:
+    """(pod, the scheduler's message) for each pod it reports it cannot place."""
     for pod in pods:
         for cond in (pod.get("status") or {}).get("conditions") or []:
             if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
-                    and cond.get("reason") == "Unschedulable"
-                    and f"Insufficient {gpu_resource_name}" in (cond.get("message") or "")):
-                return cond["message"]
-    return None
+                    and cond.get("reason") == "Unschedulable"):
+                yield pod, cond.get("message") or ""
+
+
+def insufficient_gpu(pods: list[dict], gpu_resource_name: str) -> str | None:
+    """The scheduler's message for the first pod it could not place for lack of `gpu_resource_name`, else None."""
+    return next((m for _, m in unschedulable(pods) if f"Insufficient {gpu_resource_name}" in m), None)
 
 
 def rolling_out(deployment: dict | None) -> bool:
