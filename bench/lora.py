@@ -3,11 +3,17 @@
 
     .venv/bin/python bench/lora.py            # the bundled model, dtype auto (bf16 where the CPU has AVX512_BF16)
     .venv/bin/python bench/lora.py --smoke    # tiny sizes: the script still runs (tests/test_bench_smoke.py)
+    .venv/bin/python bench/lora.py --paired 20   # the no-adapter cost alone, in paired rounds (below)
 
 Two engines (one with --enable-lora --max-loras 4), warmed up; then `--reps` rounds, each timing one generate of
 `batch` prompts x `--output` tokens (ignore_eos) per row, alternating rows so drift hits them alike; the best
 round counts: tokens/s = batch x output / seconds. Adapters are random (A, B ~ N(0, 0.02)) and
 written in PEFT's layout, so the numbers need no peft install.
+
+`--paired N` measures only what `--enable-lora` costs a batch with no adapter: N pairs of back-to-back runs of the
+same batch on the two engines, the order alternating (ABBA), each pair's time ratio taken; the median ratio and
+its spread (10th-90th percentile) are printed. Pairs adjacent in time share the machine's drift, which the
+best-of-rounds table does not cancel (there the same engine moved by 20% between runs on a 2-core VM).
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ def timed_generate(llm: LLM, batch: int, prompt_len: int, output: int, loras: li
     return time.perf_counter() - t
 
 
+def paired_cost(plain: LLM, lora: LLM, batch: int, prompt: int, output: int, pairs: int) -> list[float]:
+    """Per pair: seconds with --enable-lora (no adapter) / seconds without, the order alternating."""
+    ratios = []
+    for i in range(pairs):
+        order = (plain, lora) if i % 2 == 0 else (lora, plain)
+        seconds = {id(llm): timed_generate(llm, batch, prompt, output, []) for llm in order}
+        ratios.append(seconds[id(lora)] / seconds[id(plain)])
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: the bundled SmolLM2-135M)")
@@ -67,10 +83,13 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="only the no-adapter cost: N alternating pairs per batch size (median time ratio)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: check that it runs")
     args = ap.parse_args()
     if args.smoke:
         args.batches, args.output, args.prompt, args.reps = "1,4", 4, 8, 1
+        args.paired = min(args.paired, 2)
     model_dir = resolve_model_dir(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     common = {"dtype": args.dtype, "kv_cache_memory": 256 * 1024**2, "max_num_seqs": max(batches)}
@@ -78,6 +97,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         plain = LLM(str(model_dir), **common)
         lora = LLM(str(model_dir), enable_lora=True, max_loras=4, max_lora_rank=args.rank, **common)
+        if args.paired:
+            for llm in (plain, lora):
+                timed_generate(llm, 2, args.prompt, 4, [])
+            print(f"model {model_dir.name}, dtype {args.dtype}, prompt {args.prompt}, output {args.output}, "
+                  f"{args.paired} pairs")
+            print("| batch | --enable-lora, no adapter: time vs without (median) | 10th-90th percentile |")
+            print("|---|---|---|")
+            for b in batches:
+                ratios = sorted(paired_cost(plain, lora, b, args.prompt, args.output, args.paired))
+                pct = [100 * (ratios[int(q * (len(ratios) - 1))] - 1) for q in (0.5, 0.1, 0.9)]
+                print(f"| {b} | {pct[0]:+.2f}% | {pct[1]:+.2f}% .. {pct[2]:+.2f}% |", flush=True)
+            return
         adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", plain.engine.hf_config,
                                                                  args.rank, i))) for i in range(4)]
         runs = {"no --enable-lora": (plain, [])} | {f"--enable-lora, {n} adapters": (lora, adapters[:n])

@@ -24,9 +24,12 @@ SUMMARIES = {
     "PagekubeErrorRatioHigh": "10% of requests end aborted",
     "PagekubeEngineDown": "engine demo-engine-7f9c6d5b8-a1b2c is not answering scrapes",
     "PagekubePreemptionRateHigh": "3 preemptions/s: the KV cache is too small for the load",
+    "PagekubeLoRAAdapterNotLoaded": "demo-engine-7f9c6d5b8-a1b2c could not load LoRA adapter sql: rank 64 exceeds "
+                                    "--max-lora-rank 16",
 }
 ALERTS = ["PagekubeKVCacheSaturated", "PagekubeQueueDepthHigh", "PagekubeTTFTHigh", "PagekubeErrorRatioHigh",
-          "PagekubeEngineDown", "PagekubePreemptionRateHigh"]
+          "PagekubeEngineDown", "PagekubePreemptionRateHigh", "PagekubeLoRAAdapterNotLoaded"]
+ADAPTER = {"adapter": "sql", "error": "rank 64 exceeds --max-lora-rank 16"}
 
 
 def series(bad: bool) -> list[dict]:
@@ -45,6 +48,8 @@ def series(bad: bool) -> list[dict]:
         {"series": f'vllm:request_success_total{{{POD},finished_reason="abort"}}', "values": "0+10x20" if bad else "0+0x20"},
         {"series": f'up{{{POD},job="pagekube-engine"}}', "values": "0x20" if bad else "1x20"},
         s("vllm:num_preemptions_total", "0+180x20" if bad else "0+6x20"),  # 3/s vs 0.1/s
+        {"series": f'pagekube:lora_adapter_loaded{{{POD},adapter="sql",error="{ADAPTER["error"] if bad else ""}"}}',
+         "values": "0x20" if bad else "1x20"},
     ]
 
 
@@ -55,6 +60,8 @@ def expected(alert: str, per_deployment: bool = True) -> list[dict]:
         labels["llmdeployment"] = "demo"
     if alert == "PagekubeEngineDown":
         labels.update(pod="demo-engine-7f9c6d5b8-a1b2c", job="pagekube-engine")
+    if alert == "PagekubeLoRAAdapterNotLoaded":
+        labels.update(pod="demo-engine-7f9c6d5b8-a1b2c", **ADAPTER)
     annotations = {"summary": SUMMARIES[alert], "runbook_url": f"https://pagekube.io/docs/alerts#{alert.lower()}"}
     return [{"exp_labels": labels, "exp_annotations": annotations}]
 
@@ -77,7 +84,7 @@ def rule_file(tmp_path, request):
 def test_promtool_check_rules_passes(rule_file):
     rule_file, per_deployment = rule_file
     r = promtool("check", "rules", str(rule_file), cwd=rule_file.parent)
-    count = 6 if per_deployment else 7  # the chart's file also has the operator's own alert
+    count = 7 if per_deployment else 8  # the chart's file also has the operator's own alert
     assert r.returncode == 0 and f"SUCCESS: {count} rules found" in r.stdout, r.stdout + r.stderr
 
 

@@ -115,9 +115,8 @@ class EngineConfig(BaseModel):
     def _lora_settings(self) -> EngineConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
-        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora with --tensor-parallel-size or --pipeline-parallel-size > 1 is not "
-                             "supported yet")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora with --pipeline-parallel-size > 1 is not supported yet")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
         names = [m.name for m in self.lora_modules or ()]

@@ -106,7 +106,6 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or (
             self.model_dir.name if config.model else BUNDLED_NAME)
         self.lora: LoRAManager | None = None
-        self.lora_errors: dict[str, str] = {}  # --lora-modules that could not be served, and why
         if config.enable_lora:
             self._start_lora()
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MB), device %s, dtype %s, attention %s",
@@ -125,7 +124,7 @@ class LLMEngine:
             try:
                 self.lora.add(self.lora.new_request(module.name, module.path))
             except AdapterError as e:
-                self.lora_errors[module.name] = str(e)
+                self.lora.failed[module.name] = str(e)
                 log.error({"msg": "LoRA adapter not served", "adapter": module.name, "error": str(e)})
 
     def _start_workers(self) -> dict:

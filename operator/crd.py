@@ -81,6 +81,16 @@ def _status_schema() -> dict:
                 "properties": {"source": {"type": "string"}, "requested": {"type": "string"},
                                "revision": {"type": "string"}},
             },
+            "adapters": {
+                "type": "array",
+                "description": "Each LoRA adapter of spec.adapters: how many ready replicas serve it, and why one could "
+                               "not load it",
+                "items": {"type": "object", "required": ["name"],
+                          "properties": {"name": {"type": "string"}, "readyReplicas": {"type": "integer"},
+                                         "message": {"type": "string"}}},
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+            },
             "conditions": {
                 "type": "array",
                 "items": condition,

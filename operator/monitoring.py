@@ -49,6 +49,8 @@ def alert_rules(selector: str, t: AlertThresholds, by: str = "namespace") -> lis
         rule("PagekubePreemptionRateHigh",
              f"sum by ({by}) (rate(vllm:num_preemptions_total{{{s}}}[5m])) > {t.preemptions_per_second}", "10m",
              "warning", "{{ $value }} preemptions/s: the KV cache is too small for the load"),
+        rule("PagekubeLoRAAdapterNotLoaded", f"pagekube:lora_adapter_loaded{{{s}}} == 0", "5m", "warning",
+             "{{ $labels.pod }} could not load LoRA adapter {{ $labels.adapter }}: {{ $labels.error }}"),
     ]
 
 

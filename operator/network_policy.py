@@ -1,12 +1,14 @@
 """An optional NetworkPolicy for the engine pods: they take connections only from this deployment's NGINX and
-activator (the request path), from the monitoring namespaces (Prometheus' scrapes) and, when an engine spans pods,
-from the other pods of its group (any port). Off by default: a cluster
-whose network plugin enforces policies decides to turn it on."""
+activator (the request path), from the monitoring namespaces (Prometheus' scrapes), from the operator when adapters are declared (it reads
+each engine's /metrics for status.adapters) and, when an engine spans pods, from the other pods of its group (any
+port). Off by default: a cluster whose network plugin enforces policies decides to turn it on."""
 
 from __future__ import annotations
 
 from pagekube.operator import naming
 from pagekube.operator.spec import LLMDeploymentSpec
+
+OPERATOR_POD = {"app.kubernetes.io/name": "pagekube-operator"}  # charts/pagekube: pagekube.selectorLabels
 
 
 def build_engine_network_policy(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict:
@@ -17,6 +19,8 @@ def build_engine_network_policy(name: str, namespace: str, spec: LLMDeploymentSp
         "key": "kubernetes.io/metadata.name", "operator": "In",
         "values": list(spec.network_policy.monitoring_namespaces)}]}}
     pods = {"matchLabels": naming.selector(name, "engine")}
+    if spec.adapters:  # the chart's operator pods, in whatever namespace it is installed
+        peers.append({"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD}})
     ingress = [{"from": peers, "ports": port}, {"from": [scrapers], "ports": port}]
     if spec.engine.pipeline_parallel_size > 1:  # a group's ranks meet on the rendezvous port and gloo/NCCL's own
         pods = group_pods(name)

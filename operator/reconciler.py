@@ -7,7 +7,8 @@ writes, and fields we leave out (the Deployment's replicas when KEDA owns them) 
 Reads come from the controller's watch-fed caches (controller.py): a pass sends no GET or LIST for the children.
 Without a cache (a one-off pass), one LIST per owned kind serves comparison and pruning. The API-key Secret is
 read by name (never listed), and a Secret once found is trusted for SECRET_RECHECK_SECONDS; the engine pods are
-listed only while a GPU rollout is under way (to see pods waiting for a GPU).
+listed only while a GPU rollout is under way (to see pods waiting for a GPU) or when adapters are declared (each
+ready engine pod's /metrics is read once, for status.adapters: operator/adapter_status.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 from kubernetes.utils import parse_quantity
 
 from pagekube.operator import naming
+from pagekube.operator.adapter_status import AdapterReports, adapter_status
 from pagekube.operator.desired import desired_objects
 from pagekube.operator.leader_worker_set import engine_workload
 from pagekube.operator.metrics_check import check_metrics
@@ -129,6 +131,7 @@ class Reconciler:
         self.core = client.CoreV1Api(self.api)
         self.cache = cache
         self.secrets = SecretChecks(self.core)
+        self.adapter_reports = AdapterReports()
         self._written: dict[tuple[str, str], dict] = {}  # the last status written per object (caches lag it)
 
     def _resource(self, api_version: str, kind: str):
@@ -240,6 +243,11 @@ class Reconciler:
         new = compute_status(name, namespace, meta.get("generation", 0), spec, deployment, result.problems, blocked,
                              gpu_wait, metrics, group_wait)
         new["model"] = model_status(spec, commit)
+        new["adapters"] = None  # removed from the status once the spec declares none
+        if spec.adapters and not blocked:
+            reports = self.adapter_reports.read((namespace, name), self._engine_pods(name, namespace))
+            new["adapters"], adapters_ready = adapter_status(spec, reports, meta.get("generation", 0))
+            new["conditions"].append(adapters_ready)
         old = body.get("status") or {}
         new = merge_transition_times(new, old)
         if status_changed(new, old) and self._written.get((namespace, uid)) != new:

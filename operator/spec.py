@@ -343,10 +343,8 @@ class LLMDeploymentSpec(_Spec):
                     "message": "adapters: an adapter cannot take the model's own name",
                 },
                 {
-                    "rule": "!has(self.adapters) || size(self.adapters) == 0 || (self.engine.tensorParallelSize == 1 "
-                            "&& self.engine.pipelineParallelSize == 1)",
-                    "message": "adapters: LoRA with engine.tensorParallelSize or pipelineParallelSize > 1 is not "
-                               "supported yet",
+                    "rule": "!has(self.adapters) || size(self.adapters) == 0 || self.engine.pipelineParallelSize == 1",
+                    "message": "adapters: LoRA with engine.pipelineParallelSize > 1 is not supported yet",
                 },
             ]
         }
@@ -380,7 +378,6 @@ class LLMDeploymentSpec(_Spec):
             raise ValueError(f"adapters: each name once (got {names})")
         if self.model.name in names:
             raise ValueError("adapters: an adapter cannot take the model's own name")
-        if names and self.engine.tensor_parallel_size * self.engine.pipeline_parallel_size > 1:
-            raise ValueError("adapters: LoRA with engine.tensorParallelSize or pipelineParallelSize > 1 is not "
-                             "supported yet")
+        if names and self.engine.pipeline_parallel_size > 1:
+            raise ValueError("adapters: LoRA with engine.pipelineParallelSize > 1 is not supported yet")
         return self

@@ -29,12 +29,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None, port: int | None = None):
+    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None, port: int | None = None,
+                 host: str = "127.0.0.1"):
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path or Path(f"/tmp/pagekube-server-{self.port}.log")
         self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "pagekube.engine.server", *args, "--port", str(self.port), "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "pagekube.engine.server", *args, "--port", str(self.port), "--host", host]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
 

@@ -118,6 +118,14 @@ def test_lora_benchmark_smoke():
     assert len(rows) == 3 and all(line.count("%") == 2 for line in rows)
 
 
+def test_lora_no_adapter_cost_benchmark_smoke():
+    out = subprocess.run([sys.executable, str(REPO / "bench/lora.py"), "--smoke", "--paired", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
+    assert len(rows) == 2 and all(line.count("%") == 3 for line in rows), out.stdout
+
+
 def test_quantized_benchmark_smoke():
     out = subprocess.run([sys.executable, str(REPO / "bench/quantized.py"), "--smoke"], capture_output=True,
                          text=True, timeout=600, cwd=REPO)

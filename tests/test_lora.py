@@ -87,6 +87,24 @@ def test_a_mixed_batch_equals_each_request_alone(base, adapters, expected):
         assert out.outputs[0].token_ids == want[name][k], (name, k)
 
 
+@pytest.mark.parametrize("size", [2, 4], ids=["tp2-split-kv", "tp4-replicated-kv"])
+def test_adapters_under_tensor_parallelism_match_hf_peft(base, adapters, expected, size):
+    """Each rank holds its slice of each adapter (B's rows of q/k/v and gate/up, A's columns of o and down). Two
+    slots for three adapters and the base model in one batch: slots are reloaded mid-run, and every worker loads
+    what rank 0 loads."""
+    ids, want = expected
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, tensor_parallel_size=size)
+    try:
+        reqs = requests_for(adapters)
+        prompts = [(k, name) for k in range(len(ids)) for name in reqs]
+        outs = llm.generate([ids[k] for k, _ in prompts], GREEDY, lora_request=[reqs[name] for _, name in prompts])
+        assert [o.outputs[0].token_ids for o in outs] == [want[name][k] for k, name in prompts]
+        layer = llm.engine.runner.model.model.layers[0]
+        assert layer.self_attn.o_proj.lora.a.shape[-1] == 64 // size  # rank 0's columns of o_proj's A
+    finally:
+        llm.close()
+
+
 def test_the_prefix_cache_never_shares_blocks_between_adapters(lora_llm, adapters):
     reqs = requests_for(adapters)
     prompt = list(range(100, 164))  # 4 full blocks
@@ -104,9 +122,9 @@ def test_max_loras_bounds_the_adapters_of_one_step(base, adapters, expected):
     seen = []
     assign = llm.engine.runner.lora.assign
 
-    def spy(adapters_in_step):
+    def spy(adapters_in_step, on_load=None):
         seen.append(len(adapters_in_step))
-        return assign(adapters_in_step)
+        return assign(adapters_in_step, on_load)
 
     llm.engine.runner.lora.assign = spy
     reqs = list(requests_for(adapters).items())

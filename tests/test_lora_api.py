@@ -111,6 +111,9 @@ def test_lora_metrics(client, server):
     info = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="2"' in info[0]
     assert f'pagekube:lora_requests{{adapter="attn",engine="0",model_name="{BASE}",state="running"}} 0.0' in text
+    assert f'pagekube:lora_adapter_loaded{{adapter="attn",engine="0",error="",model_name="{BASE}"}} 1.0' in text
+    [broken] = [line for line in text.splitlines() if line.startswith('pagekube:lora_adapter_loaded{adapter="broken"')]
+    assert broken.endswith(" 0.0") and "another base model" in broken, broken
 
 
 def test_the_gateway_inference_extensions_metrics_read_as_a_set(client, server):

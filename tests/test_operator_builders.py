@@ -317,7 +317,7 @@ def test_adapters_render_lora_flags_downloads_and_read_only_claims():
     ({"adapters": [{"name": "m", "source": "hf://o/a"}]}, "cannot take the model's own name"),
     ({"adapters": [{"name": "a b", "source": "hf://o/a"}]}, "should match pattern"),
     ({"adapters": [{"name": "a", "source": "ftp://o/a"}]}, "should match pattern"),
-    ({"adapters": [{"name": "a", "source": "hf://o/a"}], "engine": {"tensorParallelSize": 2}}, "not supported yet"),
+    ({"adapters": [{"name": "a", "source": "hf://o/a"}], "engine": {"pipelineParallelSize": 2}}, "not supported yet"),
     ({"engine": {"volumes": [{"name": "adapter-claim-x", "emptyDir": {}}]}}, "adapter-claim-* are the operator's"),
 ])
 def test_adapters_that_cannot_serve_are_refused(overrides, message):
@@ -537,6 +537,23 @@ def test_monitoring_labels_and_keda_fallback():
     assert "fallback" not in plain["spec"]
 
 
+def admitted_by(policy: dict, labels: dict, namespace: str) -> bool:
+    """NetworkPolicy semantics (the policy is in namespace "ns"): a peer admits a pod when both its selectors
+    match; no namespaceSelector means the policy's namespace, an empty one any namespace."""
+    for rule in policy["spec"]["ingress"]:
+        for peer in rule["from"]:
+            namespaces = peer.get("namespaceSelector")
+            if namespaces is None:
+                in_namespace = namespace == "ns"
+            else:
+                exprs = namespaces.get("matchExpressions")
+                in_namespace = not exprs or namespace in exprs[0]["values"]
+            pods = (peer.get("podSelector") or {}).get("matchLabels", {})
+            if in_namespace and all(labels.get(k) == v for k, v in pods.items()):
+                return True
+    return False
+
+
 def test_the_engine_network_policy_admits_only_the_request_path_and_the_scrapers():
     assert "NetworkPolicy" not in [o["kind"] for o in desired_objects("m", "ns", "uid", spec_of())]  # off by default
     objs = desired_objects("m", "ns", "uid", spec_of(networkPolicy={"enabled": True}))
@@ -546,21 +563,29 @@ def test_the_engine_network_policy_admits_only_the_request_path_and_the_scrapers
     pods = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in objs if o["kind"] == "Deployment"}
 
     def admitted(labels: dict, namespace: str = "ns") -> bool:
-        """NetworkPolicy semantics for one peer: a podSelector peer means this namespace, a namespaceSelector
-        peer any pod there."""
-        for rule in policy["spec"]["ingress"]:
-            for peer in rule["from"]:
-                if "podSelector" in peer and namespace == "ns" and all(
-                        labels.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items()):
-                    return True
-                if "namespaceSelector" in peer and namespace in peer["namespaceSelector"]["matchExpressions"][0]["values"]:
-                    return True
-        return False
+        return admitted_by(policy, labels, namespace)
 
     assert all(labels[k] == v for k, v in policy["spec"]["podSelector"]["matchLabels"].items()
                for labels in [pods["m-engine"]])
     assert admitted(pods["m-lb"]) and admitted({}, "monitoring")
     assert not admitted(pods["m-engine"]) and not admitted({"app": "other"}) and not admitted(pods["m-lb"], "other")
+    operator_pod = {"app.kubernetes.io/name": "pagekube-operator", "app.kubernetes.io/instance": "pk"}
+    assert not admitted(operator_pod, "pagekube-system")  # it reads the engines only for adapters
+
+
+def test_with_adapters_the_network_policy_admits_the_operator_to_the_engine_port():
+    spec = spec_of(networkPolicy={"enabled": True}, adapters=[{"name": "sql", "source": "hf://o/sql"}])
+    (policy,) = [o for o in desired_objects("m", "ns", "uid", spec) if o["kind"] == "NetworkPolicy"]
+    del policy["metadata"]["ownerReferences"]
+    kubernetes_validate.validate(policy, "1.35.0", strict=True)
+    chart_labels = {"app.kubernetes.io/name": "pagekube-operator", "app.kubernetes.io/instance": "pk"}
+    assert admitted_by(policy, chart_labels, "pagekube-system")
+    assert not admitted_by(policy, {"app.kubernetes.io/name": "other"}, "pagekube-system")
+    operator_rule = next(r for r in policy["spec"]["ingress"] if any("podSelector" in p and "namespaceSelector" in p
+                                                                      for p in r["from"]))
+    assert operator_rule["ports"] == [{"protocol": "TCP", "port": naming.ENGINE_PORT}]
+    helpers = (REPO / "charts/pagekube/templates/_helpers.tpl").read_text()
+    assert "app.kubernetes.io/name: pagekube-operator" in helpers  # the label the policy selects
 
 
 def test_the_engines_and_the_request_path_are_placed_by_their_own_fields():

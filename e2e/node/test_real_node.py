@@ -21,6 +21,7 @@ from pagekube.kernels.cpu_ops import cpu_supports_bf16_dot
 
 NAME = "cpu"
 ADAPTER = "sql"  # a LoRA adapter every replica serves (the model_claim fixture writes it onto the claim)
+BROKEN = "broken"  # declared, but its folder on the claim holds no adapter: every replica leaves it out
 MAX_TOKENS = 48
 LONG = 600  # tokens: streams that outlast a pod's startup, preStop and the start of its drain
 
@@ -31,7 +32,8 @@ def llmdeployment(replicas: int, name: str = NAME) -> dict:
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "model": {"name": "SmolLM2-135M-Instruct", "source": "pvc://models/smollm2"},
-            "adapters": [{"name": ADAPTER, "source": f"pvc://models/{LORA_ADAPTER_PATH}"}],
+            "adapters": [{"name": ADAPTER, "source": f"pvc://models/{LORA_ADAPTER_PATH}"},
+                         {"name": BROKEN, "source": "pvc://models/adapters/missing"}],
             # One OpenMP thread per engine: two engines (three while a rollout surges) share this node's 2 cores.
             "engine": {"image": ENGINE_IMAGE, "maxNumSeqs": 16, "env": [{"name": "OMP_NUM_THREADS", "value": "1"}]},
             "resources": {"gpu": 0, "memory": "3Gi"},
@@ -151,6 +153,25 @@ def test_the_lora_adapter_serves_through_nginx(node, served):
                                        timeout=30).stdout)
     assert {m["id"]: m["parent"] for m in models["data"]}[ADAPTER] == "SmolLM2-135M-Instruct"
     assert chat(served, "no-such-adapter")[0] == 404
+    assert chat(served, BROKEN)[0] == 404  # left out by the engine; the model and the good adapter serve
+
+
+def adapters_status(node) -> tuple[list[dict] | None, dict]:
+    status = json.loads(node.kubectl("get", "llmd", NAME, "-o", "json").stdout).get("status") or {}
+    return status.get("adapters"), next((c for c in status.get("conditions", []) if c["type"] == "AdaptersReady"), {})
+
+
+def test_status_counts_the_replicas_serving_each_adapter_and_names_the_broken_one(node, served):
+    """The operator, in its pod, reads each ready engine pod's /metrics over the pod network."""
+    adapters, cond = wait_for(lambda: adapters_status(node), lambda s: s[1].get("reason") == "AdapterFailed",
+                              timeout=60, what="AdaptersReady=False reason=AdapterFailed")
+    ready_pods = [p for p in engine_pods(node) if ready(p)]
+    assert adapters[0] == {"name": ADAPTER, "readyReplicas": len(ready_pods)}, adapters
+    assert adapters[1]["name"] == BROKEN and adapters[1]["readyReplicas"] == 0
+    assert "no adapter_config.json" in adapters[1]["message"], adapters
+    assert f"'{BROKEN}' failed to load on {len(ready_pods)} of {len(ready_pods)} ready replicas" in cond["message"]
+    assert condition(node, "Ready")["status"] == "True"
+    print(f"\n[node] AdaptersReady: {cond['message']}")
 
 
 def test_the_restricted_namespace_admits_every_pod_the_operator_renders(node, served):
@@ -190,6 +211,8 @@ def test_rolling_restart_under_load_loses_no_stream_and_the_new_pods_serve_the_l
     assert len(after) == 2 and not after & before, (before, after)
     # Every replica loads every adapter at start: the restarted ones serve it (NGINX may take a resolve to see them)
     wait_for(lambda: chat(served, ADAPTER)[0], lambda code: code == 200, timeout=60, what="the adapter after the rollout")
+    wait_for(lambda: adapters_status(node)[0], lambda a: a and a[0] == {"name": ADAPTER, "readyReplicas": 2},
+             timeout=60, what="status.adapters: both new replicas serve the adapter")
 
 
 def test_deleting_a_busy_pod_drains_it_and_others_take_new_requests(node, served, stream_runs):

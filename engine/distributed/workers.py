@@ -72,6 +72,8 @@ def worker_main(rank: int, config, model_dir, rendezvous: tuple[str, int]) -> No
     shard, stage, control = join(rank, config, rendezvous, resolve_device(config.device, device_index))
     runner = ModelRunner(config, model_dir, AutoConfig.from_pretrained(model_dir), shard=shard, control=control,
                          quantization=config.quantization, stage=stage, device_index=device_index)
+    if config.enable_lora:  # slots as rank 0's; it says what to load into them (ModelRunner._send_lora_load)
+        runner.enable_lora(config.max_loras, config.max_lora_rank)
     runner.serve_forever()
     dist.destroy_process_group()
 

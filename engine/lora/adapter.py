@@ -3,8 +3,9 @@
 An adapter adds `scale * B @ A` to some of q/k/v/o and gate/up/down (scale = lora_alpha / r, or / sqrt(r) with
 rslora). The engine fuses q/k/v and gate/up into one Linear each, so an adapter's parts for one fused Linear are
 packed side by side: `a` [parts * r, in] (the shrink) and `b` [out, parts * r] (the expand, scale folded in), each
-part's B at its projection's rows. Everything an adapter could get wrong is refused here, naming the adapter and
-the reason, before any request uses it.
+part's B at its projection's rows. Under tensor parallelism each rank reads the whole adapter, checks it against
+the whole model's shapes and keeps its own slice (`shard`). Everything an adapter could get wrong is refused here,
+naming the adapter and the reason, before any request uses it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ class LoRAAdapter:
     @property
     def id(self) -> int:
         return self.request.lora_int_id
+
+
+def projection_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection of the whole (unsharded) model: what an adapter for it must fit."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q = heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    inter = config.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def shard(module: str, a: torch.Tensor, b: torch.Tensor, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of one projection's A and B, cut as its weight is: a column-parallel
+    projection (q/k/v, gate/up) keeps its rows of B (A is whole), a row-parallel one (o, down) its columns of A (B is
+    whole, and the all-reduce after the projection sums the ranks' LoRA terms with their base outputs)."""
+    part = model.checkpoint_slice(f"{module}.weight")
+    if part is None:
+        return a, b
+    dim, start, length = part
+    return (a, b[start : start + length]) if dim == 0 else (a[:, start : start + length], b)
 
 
 def lora_linear_name(module: str, stacked: dict[str, tuple[str, int]]) -> tuple[str, int]:
@@ -102,6 +125,7 @@ def read_adapter(request: LoRARequest, model: torch.nn.Module, max_rank: int, dt
         raise refuse(f"rank {r} exceeds --max-lora-rank {max_rank}" if r > max_rank else f"rank r={r} is invalid")
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
+    shapes = projection_shapes(model.config)
     parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -109,15 +133,14 @@ def read_adapter(request: LoRARequest, model: torch.nn.Module, max_rank: int, dt
         a, b = ab["A"], ab["B"]
         target, part = lora_linear_name(module, model.stacked_params)
         try:
-            linear = model.get_submodule(target)
+            model.get_submodule(target)
         except AttributeError:
             raise refuse(f"{module}: the base model has no such layer (an adapter for another model?)") from None
-        sizes = getattr(linear, "output_sizes", [linear.out_features])
-        if a.shape != (r, linear.in_features) or b.shape != (sizes[part], r):
+        d_in, d_out = shapes[module.rsplit(".", 1)[1]]
+        if a.shape != (r, d_in) or b.shape != (d_out, r):
             raise refuse(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the base "
-                         f"model's projection ({linear.in_features} -> {sizes[part]}) at rank {r}: an adapter "
-                         "for another base model?")
-        parts.setdefault(target, []).append((part, a, b))
+                         f"model's projection ({d_in} -> {d_out}) at rank {r}: an adapter for another base model?")
+        parts.setdefault(target, []).append((part, *shard(module, a, b, model)))
 
     adapter = LoRAAdapter(request, r)
     for target, items in parts.items():

@@ -29,6 +29,7 @@ class LoRAManager:
         self.model, self.max_rank, self.max_cpu_loras, self.dtype = model, max_rank, max_cpu_loras, dtype
         self.base_model_name = base_model_name
         self.registered: dict[str, LoRARequest] = {}
+        self.failed: dict[str, str] = {}  # adapters of --lora-modules that could not be served, and why
         self._weights: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -46,6 +47,7 @@ class LoRAManager:
             if request.lora_name in self.registered:
                 raise AdapterError(f"The lora adapter '{request.lora_name}' has already been loaded.")
             self.registered[request.lora_name] = request
+            self.failed.pop(request.lora_name, None)  # loaded at run time after all
         log.info({"msg": "LoRA adapter loaded", "adapter": request.lora_name, "path": request.lora_path,
                   "rank": adapter.rank, "linears": len(adapter.weights)})
         return adapter
@@ -66,6 +68,11 @@ class LoRAManager:
     def names(self) -> list[LoRARequest]:
         with self._lock:
             return list(self.registered.values())
+
+    def states(self) -> dict[str, str]:
+        """Every adapter by name: '' for one served, the reason for one of --lora-modules that could not be."""
+        with self._lock:
+            return {**self.failed, **{name: "" for name in self.registered}}
 
     def weights(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter's checked weights: from the LRU, or read now (a request's own LoRARequest, offline)."""

@@ -112,9 +112,10 @@ class LoRASlots:
         self._last_used = [0] * max_loras
         self._clock = 0
 
-    def assign(self, adapters: dict[int, LoRAAdapter]) -> dict[int, int]:
+    def assign(self, adapters: dict[int, LoRAAdapter], on_load=None) -> dict[int, int]:
         """Slots for this step's adapters (at most max_loras: the scheduler's promise), loading the ones not
-        resident into the least recently used slots that this step does not need."""
+        resident into the least recently used slots that this step does not need; `on_load(slot, adapter)` is told
+        of each (tensor parallelism: the other ranks load their slices into the same slot)."""
         self._clock += 1
         slot_of = {aid: s for s, aid in enumerate(self.resident) if aid in adapters}
         missing = [a for aid, a in adapters.items() if aid not in slot_of]
@@ -123,10 +124,15 @@ class LoRASlots:
         if len(missing) > len(free):
             raise RuntimeError(f"{len(adapters)} adapters in one step exceed --max-loras {self.max_loras}")
         for adapter, slot in zip(missing, free, strict=False):
-            for name, layer in self.layers.items():
-                layer.load(slot, adapter.weights.get(name))
-            self.resident[slot] = adapter.id
+            if on_load is not None:
+                on_load(slot, adapter)
+            self.load(slot, adapter)
             slot_of[adapter.id] = slot
         for slot in slot_of.values():
             self._last_used[slot] = self._clock
         return slot_of
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        for name, layer in self.layers.items():
+            layer.load(slot, adapter.weights.get(name))
+        self.resident[slot] = adapter.id

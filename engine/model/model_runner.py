@@ -7,6 +7,7 @@ payload); the workers' runners wait in `serve_forever` and run the same step on 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import torch
@@ -17,14 +18,16 @@ from pagekube.engine.core.scheduler import ScheduledBatch
 from pagekube.engine.distributed import pipeline_parallel as pp
 from pagekube.engine.distributed.pipeline_parallel import PPStage
 from pagekube.engine.distributed.tensor_parallel import TPShard
+from pagekube.engine.lora.adapter import read_adapter
+from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.lora.slots import LoRASlots, LoRAStep
 from pagekube.engine.model.attention import make_backend
 from pagekube.engine.model.model import AttentionMetadata, use_kernels
 from pagekube.engine.model.model_loader import load_model
 from pagekube.kernels.cpu_ops import CpuKernels, cpu_supports_bf16_dot, load_cpu_kernels, load_int_kernels
 
-FORWARD, STOP, PING = 1, 2, 3  # packet commands, rank 0 -> workers
-HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies
+FORWARD, STOP, PING, LORA_LOAD = 1, 2, 3, 4  # packet commands, rank 0 -> workers
+HEADER = 6  # command, items, tokens, max blocks, logit rows, block copies (LORA_LOAD: command, slot, id, bytes)
 
 log = logging.getLogger("pagekube.engine")
 
@@ -100,6 +103,26 @@ class ModelRunner:
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         self.lora = LoRASlots(self.model, max_loras, max_rank)
+        self.max_lora_rank = max_rank
+
+    def _send_lora_load(self, slot: int, adapter) -> None:
+        """Tell every rank to load `adapter` into `slot`: each reads the adapter from its path and keeps its own
+        slice (engine/lora/adapter.py), as each rank reads its slice of the model from the model's path."""
+        if self.world_size == 1:
+            return
+        r = adapter.request
+        spec = json.dumps([r.lora_name, r.lora_int_id, r.lora_path, r.base_model_name]).encode()
+        dist.broadcast(torch.tensor([LORA_LOAD, slot, r.lora_int_id, len(spec), 0, 0]), src=0, group=self.control)
+        dist.broadcast(torch.tensor(list(spec), dtype=torch.long), src=0, group=self.control)
+
+    def _load_lora(self, header: list[int]) -> None:
+        """A worker: load what rank 0 loaded into the same slot (a failure ends the rank, and so the engine: rank 0
+        read the same path a moment ago)."""
+        spec = torch.empty(header[3], dtype=torch.long)
+        dist.broadcast(spec, src=0, group=self.control)
+        name, lora_id, path, base = json.loads(bytes(spec.tolist()).decode())
+        adapter = read_adapter(LoRARequest(name, lora_id, path, base), self.model, self.max_lora_rank, self.dtype)
+        self.lora.load(header[1], adapter)
 
     def kernel_report(self) -> dict[str, str]:
         """Which kernels this model runs (logged at start, on /version and as pagekube:kernels_info)."""
@@ -168,7 +191,8 @@ class ModelRunner:
         items, sample_idx, first_rows, rows = [], [], [], 0
         slot_of = {}
         if self.lora is not None:
-            slot_of = self.lora.assign({s.request.lora.id: s.request.lora for s in batch.seqs if s.request.lora})
+            slot_of = self.lora.assign({s.request.lora.id: s.request.lora for s in batch.seqs if s.request.lora},
+                                       self._send_lora_load)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             start, drafts = seq.num_computed_tokens, seq.spec_tokens
             real = n - len(drafts)
@@ -225,6 +249,9 @@ class ModelRunner:
             if header[0] == STOP:
                 return
             if header[0] == PING:
+                continue
+            if header[0] == LORA_LOAD:
+                self._load_lora(header)
                 continue
             _, items, tokens, max_blocks, logits, copies = header
             payload = torch.empty(3 * tokens + 4 * items + 1 + items * max_blocks + logits + 2 * copies,

@@ -3,6 +3,8 @@ alerts written for vLLM read them unchanged. Like vLLM, no `_created` series."""
 
 from __future__ import annotations
 
+import threading
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -183,16 +185,33 @@ class LoRAMetrics:
     """vLLM's `vllm:lora_requests_info` (the adapters running and waiting, comma-joined, as labels; its value the
     time of the update), which the Gateway API Inference Extension's LoRA-affinity scorer reads, and
     `pagekube:lora_requests{adapter,state}`: requests per adapter, which a comma-joined label cannot count. vLLM keeps
-    every label combination it ever set; here the previous one is removed, so the info gauge has one series."""
+    every label combination it ever set; here the previous one is removed, so the info gauge has one series.
+    `pagekube:lora_adapter_loaded{adapter,error}`: 1 for each adapter served, 0 (with the reason) for each of
+    --lora-modules that could not be; the operator reads it for status.adapters, and SREs can alert on 0."""
 
     def __init__(self, registry, label: list[str], values: tuple, max_loras: int):
         self.info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests",
                           ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry)
         self.requests = Gauge("pagekube:lora_requests", "Requests per LoRA adapter, running or waiting",
                               [*label, "adapter", "state"], registry=registry)
+        self.loaded = Gauge("pagekube:lora_adapter_loaded", "1 for a LoRA adapter served, 0 for one that could not "
+                            "be loaded (the reason in `error`)", [*label, "adapter", "error"], registry=registry)
         self.max_lora, self.values = str(max_loras), values
         self._info_labels: tuple | None = None
         self._series: set[tuple[str, str]] = set()
+        self._loaded: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # refresh_loaded runs on the engine thread and on /metrics
+
+    def refresh_loaded(self, manager) -> None:
+        """The loaded gauge from the LoRAManager alone (thread-safe: /metrics calls it, so a server that has run
+        no step yet reports its adapters)."""
+        loaded = set(manager.states().items())
+        with self._lock:
+            for gone in self._loaded - loaded:
+                self.loaded.remove(*self.values, *gone)
+            for adapter, error in loaded:
+                self.loaded.labels(*self.values, adapter, error).set(0 if error else 1)
+            self._loaded = loaded
 
     def refresh(self, engine) -> None:
         counts: dict[tuple[str, str], set[str]] = {}
@@ -207,6 +226,7 @@ class LoRAMetrics:
         for key in series:
             self.requests.labels(*self.values, *key).set(len(counts.get(key, ())))
         self._series = series
+        self.refresh_loaded(engine.lora)
         labels = (self.max_lora, ",".join(sorted(n for n, st in counts if st == "waiting")),
                   ",".join(sorted(n for n, st in counts if st == "running")))
         if self._info_labels not in (None, labels):

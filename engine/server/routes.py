@@ -78,6 +78,9 @@ async def metrics(state: ServerState = Depends(server_state)):
     state.metrics.draining.set(1 if state.draining else 0)
     if state.engine is not None:  # admitted requests count from admission, tokenizing ones included
         state.metrics.waiting.set(state.engine.num_waiting())
+        lora = getattr(getattr(state.engine, "engine", None), "lora", None)
+        if state.metrics.lora is not None and lora is not None:
+            state.metrics.lora.refresh_loaded(lora)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 # ---- OpenAI API -------------------------------------------------------------------------------------------
