@@ -214,7 +214,7 @@ def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, 
     ({"model": {"name": "m", "source": "gopher://x"}}, "spec.model.source in body should match"),
     ({"resources": {"gpu": 3}, "engine": {"tensorParallelSize": 2}}, "resources.gpu must be a multiple of engine.tensorParallelSize"),
     ({"engine": {"blockSize": 12}}, 'spec.engine.blockSize: Unsupported value: 12'),
-    ({"engine": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "the names models, dshm, adapters and adapter-claim-* are the operator's own"),
+    ({"engine": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "the names models, dshm, adapters, api-key and adapter-claim-* are the operator's own"),
     ({"engine": {"volumeMounts": [{"name": "cache"}]}}, "spec.engine.volumeMounts[0].mountPath: Required value"),
     ({"adapters": [{"name": "a", "source": "hf://o/a"}, {"name": "a", "source": "hf://o/b"}]},
      "spec.adapters[1]: Duplicate value"),
@@ -253,8 +253,11 @@ def test_unservable_spec_is_degraded_with_an_event_and_the_operator_stays_health
     cp.kubectl("create", "secret", "generic", "missing", "-n", ns, "--from-literal=api-key=s3cret")
     wait_for(lambda: condition(cp, ns, "nokey", "Degraded").get("status") == "False", what="recovery")
     dep = wait_for(lambda: get(cp, "deployment", "nokey-engine", "-n", ns), what="engine Deployment")
-    env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert {"name": "PAGEKUBE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "missing", "key": "api-key"}}} in env
+    pod = dep["spec"]["template"]["spec"]
+    assert {"name": "api-key", "secret": {"secretName": "missing", "items": [{"key": "api-key", "path": "api-key"}],
+                                          "defaultMode": 420}} in pod["volumes"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--api-key-file") + 1] == "/var/run/secrets/pagekube/api-key"
 
 
 def test_control_plane_binaries_come_from_the_cache(control_plane):

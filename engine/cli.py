@@ -67,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValidationError as e:
             print(f"pagekube: invalid flags:\n{e}", file=sys.stderr)
             return 2
+        if config.api_key_file and not config.headless:
+            from pagekube.engine.server.api_keys import read_keys
+
+            try:
+                read_keys(config.api_key_file)
+            except (OSError, ValueError) as e:
+                print(f"pagekube: --api-key-file: {e}", file=sys.stderr)
+                return 2
         setup_logging()
         if config.headless:
             from pagekube.engine.distributed.headless import run_headless

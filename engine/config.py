@@ -44,6 +44,8 @@ class EngineConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer KEY' (also env PAGEKUBE_API_KEY)")
+    api_key_file: str | None = Field(None, description="Also accept the keys in this file, one per line, re-read when "
+                                     "it changes (a mounted Secret: rotation without a restart)")
     disable_log_requests: bool = Field(False, description="Do not log one line per finished request")
     enable_log_prompts: bool = Field(False, description="Include prompt text in request logs (off: prompts are never logged)")
     max_waiting_requests: int = Field(1024, ge=1, description="Queue length past which new requests get 429 + Retry-After")

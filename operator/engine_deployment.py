@@ -17,6 +17,7 @@ from pagekube.operator.rollout import deployment_strategy
 from pagekube.operator.spec import LLMDeploymentSpec
 
 MODELS_DIR = "/models"
+API_KEY_DIR, API_KEY_FILE = "/var/run/secrets/pagekube", "api-key"  # auth.apiKeySecretRef, mounted (see _api_key_volume)
 ENGINE_UID = 1000  # the engine image's user (images/engine/Dockerfile)
 S3_IMAGE = "amazon/aws-cli:2.22.35"
 # Runs in the engine image (huggingface_hub comes with transformers); HF_TOKEN etc. come from engine.env. Resolves the
@@ -95,6 +96,7 @@ def engine_args(spec: LLMDeploymentSpec, group_role: str | None = None) -> list[
         **multi_node_flags(spec, group_role),
         "enable_prefix_caching": e.enable_prefix_caching,
         "drain_timeout": spec.drain.timeout_seconds,
+        "api_key_file": f"{API_KEY_DIR}/{API_KEY_FILE}" if spec.auth.api_key_secret_ref else None,
         **lora_flags(spec),
     }) + list(e.extra_args)
 
@@ -135,10 +137,17 @@ def _env(spec: LLMDeploymentSpec) -> list[dict]:
     cpu = spec.resources.cpu
     if cpu and not any(e["name"] == "OMP_NUM_THREADS" for e in env):  # engine.env wins
         env.append({"name": "OMP_NUM_THREADS", "value": str(cpu_threads(cpu))})
-    ref = spec.auth.api_key_secret_ref
-    if ref:
-        env.append({"name": "PAGEKUBE_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env
+
+
+def _api_key_volume(spec: LLMDeploymentSpec) -> tuple[list[dict], list[dict]]:
+    """The auth Secret as a volume, not an env var: the kubelet updates a mounted Secret in place and the engine
+    re-reads the file (--api-key-file), so a rotated key takes effect without a restart."""
+    ref = spec.auth.api_key_secret_ref
+    if not ref:
+        return [], []
+    volume = {"name": "api-key", "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": API_KEY_FILE}]}}
+    return [volume], [{"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}]
 
 
 def _model_volume_and_init(name: str, spec: LLMDeploymentSpec) -> tuple[list[dict], list[dict]]:
@@ -194,6 +203,9 @@ def engine_pod_template(name: str, spec: LLMDeploymentSpec, group_role: str | No
                                                                   S3_IMAGE)
     volumes += adapter_vols
     mounts += adapter_mounts
+    key_vols, key_mounts = _api_key_volume(spec)
+    volumes += key_vols
+    mounts += key_mounts
     init_containers += adapter_inits
     volumes += [v.model_dump(by_alias=True) for v in e.volumes]
     mounts += [m.model_dump(by_alias=True) for m in e.volume_mounts]

@@ -30,7 +30,7 @@ SIZE = r"^[0-9]+[kKmMgG]?$"  # nginx size syntax (client_max_body_size)
 SOURCE = r"^(hf://[^/\s]+/[^/\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?|s3://[^/\s]+(/\S*)?|file:///\S*)$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"  # the engine's adapter names (engine/lora/names.py)
-RESERVED_VOLUMES = ("models", "dshm", "adapters")  # the engine pod's own volumes (and adapter-claim-*)
+RESERVED_VOLUMES = ("models", "dshm", "adapters", "api-key")  # the engine pod's own volumes (and adapter-claim-*)
 
 
 class _Spec(BaseModel):
@@ -123,9 +123,9 @@ class AdapterSpec(_Spec):
 
 class EngineSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['models', 'dshm', 'adapters']) && "
+        "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['models', 'dshm', 'adapters', 'api-key']) && "
                 "!v.name.startsWith('adapter-claim-'))",
-        "message": "engine.volumes: the names models, dshm, adapters and adapter-claim-* are the operator's own "
+        "message": "engine.volumes: the names models, dshm, adapters, api-key and adapter-claim-* are the operator's own "
                    "volumes"}]})
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over (--tensor-parallel-size)")
@@ -154,7 +154,7 @@ class EngineSpec(_Spec):
     service_account_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     runtime_class_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     volumes: list[Volume] = Field(default_factory=list, max_length=64,
-                                  description="Extra pod volumes (not models, dshm, adapters, adapter-claim-*)")
+                                  description="Extra pod volumes (not models, dshm, adapters, api-key, adapter-claim-*)")
     volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64,
                                              description="Extra mounts in the engine container")
     shm_size: str | None = Field(None, pattern=QUANTITY, description="sizeLimit of the memory-backed /dev/shm")

@@ -643,3 +643,22 @@ def test_crd_field_paths_tell_an_older_schema_from_a_newer_one():
     newer = copy.deepcopy(ours)
     newer["properties"]["spec"]["properties"]["future"] = {"type": "string"}
     assert field_paths(newer) - paths == {("spec", "future")}  # a newer one: left as is
+
+
+def test_the_api_key_secret_is_mounted_so_a_rotation_reaches_running_engines():
+    """A mounted Secret is updated in place by the kubelet and the engine re-reads it (--api-key-file); an env var
+    from the Secret would keep the old key until a restart."""
+    spec = spec_of(auth={"apiKeySecretRef": {"name": "llm-keys", "key": "token"}})
+    deployment = build_engine_deployment("m", "ns", spec)
+    kubernetes_validate.validate(deployment, "1.35.0", strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert {"name": "api-key", "secret": {"secretName": "llm-keys", "items": [{"key": "token", "path": "api-key"}]}} \
+        in pod["volumes"]
+    assert {"name": "api-key", "mountPath": "/var/run/secrets/pagekube", "readOnly": True} in engine["volumeMounts"]
+    assert engine["args"][engine["args"].index("--api-key-file") + 1] == "/var/run/secrets/pagekube/api-key"
+    assert not any(e["name"] == "PAGEKUBE_API_KEY" for e in engine["env"])
+    plain = build_engine_deployment("m", "ns", spec_of())["spec"]["template"]["spec"]
+    assert "--api-key-file" not in plain["containers"][0]["args"] and all(v["name"] != "api-key" for v in plain["volumes"])
+    with pytest.raises(ValidationError, match="api-key"):
+        spec_of(engine={"volumes": [{"name": "api-key", "emptyDir": {}}]})

@@ -91,10 +91,11 @@ def assert_all_finished(results: list[dict], streams: int, max_tokens: int = MAX
     assert len(results) == streams and not lost, f"streams lost or cut: {lost}"
 
 
-def chat(url: str, model: str) -> tuple[int, dict]:
+def chat(url: str, model: str, key: str | None = None) -> tuple[int, dict]:
     """A chat completion through NGINX, from inside the node's network namespace: (HTTP status, body)."""
     body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Users older than 30?"}]}
-    r = subprocess.run(in_netns("curl", "-s", "-w", "\n%{http_code}", "-H", "Content-Type: application/json",
+    auth = ["-H", f"Authorization: Bearer {key}"] if key else []
+    r = subprocess.run(in_netns("curl", "-s", "-w", "\n%{http_code}", "-H", "Content-Type: application/json", *auth,
                                 "-d", json.dumps(body), f"{url}/chat/completions"), capture_output=True, text=True,
                        timeout=120)
     text, _, code = r.stdout.rpartition("\n")

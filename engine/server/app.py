@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagekube
+from pagekube.engine.server.api_keys import APIKeys
 from pagekube.engine.server.embeddings import router as embeddings_router
 from pagekube.engine.server.errors import APIError, error_response
 from pagekube.engine.server.middleware import GuardMiddleware
@@ -24,7 +25,8 @@ __all__ = ["ServerState", "create_app"]
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagekube", version=pagekube.__version__)
     app.state.pk = state
-    app.add_middleware(GuardMiddleware, api_key=state.config.api_key, max_body_bytes=state.config.max_body_bytes)
+    keys = APIKeys(state.config.api_key, state.config.api_key_file)
+    app.add_middleware(GuardMiddleware, keys=keys, max_body_bytes=state.config.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):

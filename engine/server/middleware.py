@@ -3,9 +3,9 @@ runs."""
 
 from __future__ import annotations
 
-import hmac
 import json
 
+from pagekube.engine.server.api_keys import APIKeys
 from pagekube.engine.server.errors import error_body
 
 OPEN_PATHS = {"/health", "/ping", "/metrics", "/version"}
@@ -21,19 +21,19 @@ async def _send_error(send, status: int, message: str, code: str) -> None:
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, keys: APIKeys, max_body_bytes: int):
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"] not in OPEN_PATHS:
+        if self.keys.enabled and scope["path"] not in OPEN_PATHS:
             auth = headers.get(b"authorization", b"")
             token = auth[7:] if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):  # constant time
+            if not self.keys.accepts(token):
                 return await _send_error(send, 401, "missing or invalid API key", "invalid_api_key")
         try:
             declared = int(headers.get(b"content-length", b"0"))
