@@ -1,7 +1,8 @@
 """An optional NetworkPolicy for the engine pods: they take connections only from this deployment's NGINX and
-activator (the request path), from the monitoring namespaces (Prometheus' scrapes), from the operator when adapters are declared (it reads
-each engine's /metrics for status.adapters) and, when an engine spans pods, from the other pods of its group (any
-port). Off by default: a cluster whose network plugin enforces policies decides to turn it on."""
+activator (the request path), from the monitoring namespaces (Prometheus' scrapes), from the operator when adapters
+are declared (it reads each engine's /metrics for status.adapters) and, when an engine spans pods, from the other
+pods of its group (any port). Off by default: a cluster whose network plugin enforces policies decides to turn it
+on."""
 
 from __future__ import annotations
 
