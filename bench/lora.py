@@ -11,15 +11,17 @@ round counts: tokens/s = batch x output / seconds. Adapters are random (A, B ~ N
 written in PEFT's layout, so the numbers need no peft install.
 
 `--paired N` measures only what `--enable-lora` costs a batch with no adapter: N pairs of back-to-back runs of the
-same batch on the two engines, the order alternating (ABBA), each pair's time ratio taken; the median ratio and
-its spread (10th-90th percentile) are printed. Pairs adjacent in time share the machine's drift, which the
-best-of-rounds table does not cancel (there the same engine moved by 20% between runs on a 2-core VM).
+same batch on the two engines, the order alternating (ABBA), each pair's time ratio taken; the median ratio, its
+95% interval (order statistics) and the spread (10th-90th percentile) are printed. Pairs adjacent in time share
+the machine's drift, which the best-of-rounds table does not cancel (there the same engine moved by 20% between
+runs on a 2-core VM).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -102,12 +104,18 @@ def main() -> None:
                 timed_generate(llm, 2, args.prompt, 4, [])
             print(f"model {model_dir.name}, dtype {args.dtype}, prompt {args.prompt}, output {args.output}, "
                   f"{args.paired} pairs")
-            print("| batch | --enable-lora, no adapter: time vs without (median) | 10th-90th percentile |")
-            print("|---|---|---|")
+            print("| batch | --enable-lora, no adapter: time vs without (median) | 95% interval of the median | "
+                  "10th-90th percentile |")
+            print("|---|---|---|---|")
             for b in batches:
                 ratios = sorted(paired_cost(plain, lora, b, args.prompt, args.output, args.paired))
-                pct = [100 * (ratios[int(q * (len(ratios) - 1))] - 1) for q in (0.5, 0.1, 0.9)]
-                print(f"| {b} | {pct[0]:+.2f}% | {pct[1]:+.2f}% .. {pct[2]:+.2f}% |", flush=True)
+                n = len(ratios)
+                half = 1.96 * math.sqrt(n) / 2  # the median's interval from order statistics (binomial, n large)
+                lo, hi = max(0, math.floor(n / 2 - half) - 1), min(n - 1, math.ceil(1 + n / 2 + half) - 1)
+                pct = [100 * (r - 1) for r in (ratios[(n - 1) // 2], ratios[lo], ratios[hi],
+                                               ratios[int(0.1 * (n - 1))], ratios[int(0.9 * (n - 1))])]
+                print(f"| {b} | {pct[0]:+.2f}% | {pct[1]:+.2f}% .. {pct[2]:+.2f}% | {pct[3]:+.2f}% .. {pct[4]:+.2f}% |",
+                      flush=True)
             return
         adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", plain.engine.hf_config,
                                                                  args.rank, i))) for i in range(4)]

@@ -123,7 +123,7 @@ def test_lora_no_adapter_cost_benchmark_smoke():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith(("| 1 |", "| 4 |"))]
-    assert len(rows) == 2 and all(line.count("%") == 3 for line in rows), out.stdout
+    assert len(rows) == 2 and all(line.count("%") == 5 for line in rows), out.stdout
 
 
 def test_quantized_benchmark_smoke():
