@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagekube.engine import LLM, LoRARequest, SamplingParams
+from pagekube.engine.lora.adapter import projection_shapes
 from pagekube.engine.model.model_files import resolve_model_dir
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -39,14 +40,9 @@ PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_att
 def write_adapter(out: Path, config, rank: int, seed: int) -> Path:
     """A random rank-`rank` adapter on every projection of every layer, as PEFT saves one."""
     gen = torch.Generator().manual_seed(seed)
-    h, inter = config.hidden_size, config.intermediate_size
-    heads = config.num_attention_heads
-    kv = (getattr(config, "num_key_value_heads", None) or heads) * (getattr(config, "head_dim", None) or h // heads)
-    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h), "gate_proj": (h, inter),
-            "up_proj": (h, inter), "down_proj": (inter, h)}
     tensors = {}
     for layer in range(config.num_hidden_layers):
-        for proj, (d_in, d_out) in dims.items():
+        for proj, (d_in, d_out) in projection_shapes(config).items():
             key = f"base_model.model.model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * 0.02
             tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.02

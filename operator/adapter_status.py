@@ -76,11 +76,12 @@ class AdapterReports:
             key, name = _started(pod), pod["metadata"]["name"]
             report = known.get(key)
             if report is None:
+                url = metrics_url(pod)
                 try:
-                    with urllib.request.urlopen(metrics_url(pod), timeout=self.timeout) as r:
+                    with urllib.request.urlopen(url, timeout=self.timeout) as r:
                         report = parse_loaded(r.read().decode())
                 except (OSError, ValueError) as e:
-                    out[name] = f"GET {metrics_url(pod)}: {getattr(e, 'reason', e)}"
+                    out[name] = f"GET {url}: {getattr(e, 'reason', e)}"
                     continue
             kept[key] = out[name] = report
         with self._lock:

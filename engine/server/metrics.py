@@ -3,8 +3,6 @@ alerts written for vLLM read them unchanged. Like vLLM, no `_created` series."""
 
 from __future__ import annotations
 
-import threading
-
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -200,18 +198,16 @@ class LoRAMetrics:
         self._info_labels: tuple | None = None
         self._series: set[tuple[str, str]] = set()
         self._loaded: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()  # refresh_loaded runs on the engine thread and on /metrics
 
     def refresh_loaded(self, manager) -> None:
-        """The loaded gauge from the LoRAManager alone (thread-safe: /metrics calls it, so a server that has run
-        no step yet reports its adapters)."""
+        """The loaded gauge from the LoRAManager alone (its own lock guards it). The /metrics route calls it on
+        each scrape, so a server that has run no step yet reports its adapters, and no step pays for it."""
         loaded = set(manager.states().items())
-        with self._lock:
-            for gone in self._loaded - loaded:
-                self.loaded.remove(*self.values, *gone)
-            for adapter, error in loaded:
-                self.loaded.labels(*self.values, adapter, error).set(0 if error else 1)
-            self._loaded = loaded
+        for gone in self._loaded - loaded:
+            self.loaded.remove(*self.values, *gone)
+        for adapter, error in loaded:
+            self.loaded.labels(*self.values, adapter, error).set(0 if error else 1)
+        self._loaded = loaded
 
     def refresh(self, engine) -> None:
         counts: dict[tuple[str, str], set[str]] = {}
@@ -226,7 +222,6 @@ class LoRAMetrics:
         for key in series:
             self.requests.labels(*self.values, *key).set(len(counts.get(key, ())))
         self._series = series
-        self.refresh_loaded(engine.lora)
         labels = (self.max_lora, ",".join(sorted(n for n, st in counts if st == "waiting")),
                   ",".join(sorted(n for n, st in counts if st == "running")))
         if self._info_labels not in (None, labels):
