@@ -123,9 +123,9 @@ class AdapterSpec(_Spec):
 
 class EngineSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": "!has(self.volumes) || self.volumes.all(v, !(v.name in ['models', 'dshm', 'adapters', 'api-key']) && "
+        "rule": f"!has(self.volumes) || self.volumes.all(v, !(v.name in {list(RESERVED_VOLUMES)}) && "
                 "!v.name.startsWith('adapter-claim-'))",
-        "message": "engine.volumes: the names models, dshm, adapters, api-key and adapter-claim-* are the operator's own "
+        "message": f"engine.volumes: the names {', '.join(RESERVED_VOLUMES)} and adapter-claim-* are the operator's own "
                    "volumes"}]})
     image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1)
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="GPUs one engine shards the model over (--tensor-parallel-size)")
@@ -154,7 +154,7 @@ class EngineSpec(_Spec):
     service_account_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     runtime_class_name: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     volumes: list[Volume] = Field(default_factory=list, max_length=64,
-                                  description="Extra pod volumes (not models, dshm, adapters, api-key, adapter-claim-*)")
+                                  description=f"Extra pod volumes (not {', '.join(RESERVED_VOLUMES)}, adapter-claim-*)")
     volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64,
                                              description="Extra mounts in the engine container")
     shm_size: str | None = Field(None, pattern=QUANTITY, description="sizeLimit of the memory-backed /dev/shm")
