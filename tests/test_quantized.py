@@ -307,6 +307,23 @@ def test_a_lora_adapter_applies_on_a_quantized_base_as_on_its_dequantized_weight
     assert quantized.tokens != engine_greedy(ckpt)[0].tokens  # the adapter changes the output
 
 
+@pytest.mark.parametrize("scheme", list(SMOLLM_JOBS))
+def test_the_gpu_kernel_reads_each_llmcompressor_layout_as_the_torch_path_does(smollm_checkpoints, scheme):
+    """The Triton kernel (pagekube/kernels/triton_quant.py, interpreted on the CPU) on a real checkpoint's packed
+    Linears of one decoder layer, fused q/k/v and gate/up included, against dequantize-then-matmul."""
+    llm = LLM(str(smollm_checkpoints[scheme]), dtype="float32", kv_cache_memory=16 * 1024**2)
+    try:
+        layer = llm.engine.runner.model.model.layers[0]
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        for linear in linears:
+            x = torch.randn(3, linear.quant.shape[1], generator=torch.Generator().manual_seed(0))
+            ref = torch.nn.functional.linear(x, linear.quant.dequantize(torch.float32))
+            out = linear.quant.triton_linear(x)
+            assert out is not None and ((out - ref).norm() / ref.norm()).item() < 1e-5
+    finally:
+        llm.close()
+
+
 def test_the_flag_is_checked_against_the_checkpoint_at_start(smollm_checkpoints):
     with pytest.raises(QuantizationError, match="--quantization gptq does not match"):
         LLM(str(smollm_checkpoints["w4a16-g64"]), dtype="float32", quantization="gptq")

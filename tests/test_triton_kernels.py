@@ -182,3 +182,68 @@ def test_lora_shrink_expand_matches_reference_over_mixed_segments(dtype):
     assert torch.equal(out[3:5], y[3:5]) and torch.equal(out[26:30], y[26:30])  # base rows: as they were
     assert rel_err(out, ref) < TOL[dtype]
     assert rel_err(out - y, ref - y) < TOL[dtype] * 4  # the LoRA term itself, not only the sum
+
+
+def _int_weight(gen, n, k, bits, group, zero=True, act_order=False):
+    from pagekube.engine.quantization.layouts import pack_nibbles
+    from pagekube.engine.quantization.packed import IntWeight
+
+    groups = k // group
+    q = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    zp = (torch.randint(0, 2**bits, (n, groups), generator=gen) if zero
+          else torch.full((n, groups), 2 ** (bits - 1))).to(torch.uint8)
+    scale = torch.rand(n, groups, generator=gen) * 0.02 + 0.001
+    g_idx = torch.randperm(k, generator=gen) // group if act_order else None  # columns of a group scattered
+    packed = pack_nibbles(q) if bits == 4 else q
+    return IntWeight(packed.to(DEVICE), scale.to(DEVICE), zp.to(DEVICE), bits, group,
+                     None if g_idx is None else g_idx.to(DEVICE))
+
+
+def _fp8_weight(gen, n, k, block):
+    from pagekube.engine.quantization.packed import Fp8Weight
+
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    codes[0, :254] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # every value
+    codes[codes & 0x7F == 0x7F] = 0x38  # no NaN codes (1.0 instead)
+    shape = (1, 1) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.rand(*shape, generator=gen) + 0.5
+    return Fp8Weight(codes.view(torch.float8_e4m3fn).to(DEVICE), scale.to(DEVICE), block)
+
+
+QUANT_CASES = {
+    "int4-asym-g32": lambda g: _int_weight(g, 150, 320, 4, 32),
+    "int4-sym-g64": lambda g: _int_weight(g, 150, 320, 4, 64, zero=False),
+    "int4-act-order": lambda g: _int_weight(g, 150, 320, 4, 32, act_order=True),
+    "int8-per-channel": lambda g: _int_weight(g, 150, 320, 8, 320, zero=False),
+    "fp8-per-tensor": lambda g: _fp8_weight(g, 150, 320, None),
+    "fp8-blocks": lambda g: _fp8_weight(g, 150, 320, (64, 32)),
+}
+
+
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_quantized_gemm_dequantizes_each_weight_exactly(case):
+    """x = the identity: each output is one weight, so the kernel's dequantization equals packed.py's bit for bit
+    (every FP8 code, subnormals included; scattered act-order groups; ragged tiles)."""
+    from pagekube.engine.quantization.packed import QuantizedWeight
+
+    weight = QUANT_CASES[case](torch.Generator().manual_seed(zlib.crc32(case.encode())))
+    eye = torch.eye(weight.shape[1], dtype=torch.float32, device=DEVICE)
+    out = QuantizedWeight([weight]).triton_linear(eye)
+    assert torch.equal(out, weight.dequantize(torch.float32).T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5, 33, 70])
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_quantized_gemm_matches_dequantize_then_matmul(case, rows, dtype):
+    """The GPU's W4A16 / W8A16 / FP8 path against the torch path (dequantize to the dtype, then F.linear), for a
+    fused Linear of two projections with their own scales, at row counts on and off the row tiles."""
+    from pagekube.engine.quantization.packed import QuantizedWeight
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case}{rows}".encode()))
+    weight = QuantizedWeight([QUANT_CASES[case](gen), QUANT_CASES[case](gen)])
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(dtype).to(DEVICE)
+    out = weight.triton_linear(x)
+    ref = torch.nn.functional.linear(x, weight.dequantize(dtype))
+    assert out.shape == (rows, weight.shape[0]) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]

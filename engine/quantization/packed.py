@@ -127,12 +127,25 @@ def _kernel_args(p: IntWeight | Fp8Weight) -> tuple | None:
                                                p.bits, p.group_size)
 
 
+def _triton_args(p: IntWeight | Fp8Weight) -> tuple | None:
+    """The GPU kernel's arguments after x for one part (pagekube/kernels/triton_quant.py); None where it does not
+    read it (FP8 blocks that do not tile the columns)."""
+    from pagekube.kernels.triton_quant import FP8, INT4, INT8  # lazily: triton is only needed on the GPU
+
+    if isinstance(p, Fp8Weight):
+        scales = p.row_scales()
+        return None if scales is None else (p.weight.contiguous().view(torch.uint8), scales[0], None, FP8, scales[1])
+    return p.packed.contiguous(), p.scale.contiguous(), p.zero.contiguous(), INT4 if p.bits == 4 else INT8, \
+        p.group_size, p.g_idx
+
+
 @dataclass
 class QuantizedWeight:
     """A Linear's weight as its checkpoint projections, stacked by rows (one part unless the Linear is fused)."""
 
     parts: list[IntWeight | Fp8Weight]
     kernel_args: list | None = None  # per part, what the CPU kernel is called with (built on first use)
+    triton_args: list | None = None  # the same for the GPU's Triton kernel
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -144,9 +157,13 @@ class QuantizedWeight:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> torch.Tensor:
-        """x @ w.T (+ bias). `kernel`: the CPU's int4/int8 kernel (pagekube/kernels/int_linear.cpp) where every
-        part is an IntWeight it reads (no act order) and the step has at most KERNEL_MAX_ROWS rows; otherwise
-        the weights dequantized, then torch's matmul."""
+        """x @ w.T (+ bias). On CUDA: the Triton kernel (triton_linear). `kernel`: the CPU's int4/int8/FP8 kernel
+        (pagekube/kernels/int_linear.cpp) where every part is one it reads (no act order) and the step has at
+        most KERNEL_MAX_ROWS rows. Otherwise the weights dequantized, then torch's matmul."""
+        if x.is_cuda:
+            y = self.triton_linear(x)
+            if y is not None:
+                return y if bias is None else y + bias
         if kernel and x.shape[0] <= KERNEL_MAX_ROWS:
             if self.kernel_args is None:
                 self.kernel_args = [_kernel_args(p) for p in self.parts]
@@ -156,6 +173,20 @@ class QuantizedWeight:
                 y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)).to(x.dtype)
                 return y if bias is None else y + bias
         return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
+
+    def triton_linear(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ w.T through pagekube/kernels/triton_quant.py, the weights dequantized tile by tile in registers;
+        None where a part is one it does not read."""
+        from pagekube.kernels.triton_quant import quant_linear
+
+        if self.triton_args is None:
+            self.triton_args = [_triton_args(p) for p in self.parts]
+        if any(a is None for a in self.triton_args):
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        ys = [quant_linear(x2, *args) for args in self.triton_args]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for p in self.parts for t in vars(p).values()
