@@ -162,3 +162,26 @@ def test_engine_reads_the_q4_blocks_and_gets_the_bf16_weights_results(bundled_di
         assert torch.equal(blocks, weights)
     else:
         torch.testing.assert_close(blocks.float(), weights.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("tp, pp", [(3, 1), (1, 2), (3, 2)], ids=["tp3", "pp2", "tp3-pp2"])
+def test_each_parallel_rank_takes_the_q4_blocks_of_its_own_slice(bundled_dir, tp, pp):
+    """Under tensor parallelism each rank's Linears get the blocks of exactly the rows (q/k/v, gate/up) or input
+    columns (o, down) it holds, under pipeline parallelism only its stage's layers: every rank's blocks stand for
+    its own weights (the loader's slices of the float32 checkpoint), bit for bit."""
+    from transformers import AutoConfig
+
+    from pagekube.engine.distributed.pipeline_parallel import PPStage
+    from pagekube.engine.distributed.tensor_parallel import TPShard
+    from pagekube.engine.model.model_loader import load_model
+
+    config = AutoConfig.from_pretrained(bundled_dir)
+    for stage_rank in range(pp):
+        for rank in range(tp):
+            stage = PPStage(rank=stage_rank, size=pp, tp_size=tp, tp_rank=rank)
+            model = load_model(config, bundled_dir, torch.float32, torch.device("cpu"), TPShard(rank, tp), stage=stage)
+            linears = [m for m in model.modules() if isinstance(m, Linear)]
+            assert len(linears) == 4 * len(model.model.local_layers)
+            assert gguf_linears.attach(model, bundled_dir) == len(linears)
+            for m in linears:
+                assert torch.equal(gguf_linears.unpack(m.q4), m.weight.detach()), (stage_rank, rank)

@@ -93,7 +93,7 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
         log.info("%d linears quantized: %s", len(quantized.linears), method.describe())
     log.info("loaded %d tensors (%.1f MB) from %d file(s) in %.1f s; weights in memory: %.1f MB", len(loaded),
              total / 1e6, len(files), time.monotonic() - start, weight_bytes(model) / 1e6)
-    if dtype == torch.bfloat16 and device.type == "cpu" and shard.size == stage.size == 1 and cpu_ops.loaded() and not method:
+    if dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops.loaded() and not method:
         attached = gguf_linears.attach(model, model_dir)  # only the CPU extension reads them
         if attached:
             log.info("%d linears also read from the GGUF's Q4_1 blocks by the CPU kernels", attached)

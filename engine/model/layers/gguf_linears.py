@@ -98,8 +98,24 @@ def extract(gguf_path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
+def _rank_slice(tensor, part: str, cut) -> torch.Tensor | None:
+    """The rows or input columns of one packed tensor ("qs", "d" or "m") that this tensor-parallel rank holds, cut
+    as `CausalLM.checkpoint_slice` cuts the weight: rows as they are, columns by whole pairs of blocks (a "qs" byte
+    holds two blocks' weights); None where a cut falls inside a pair (that Linear keeps the bf16 path)."""
+    if cut is None:
+        return tensor[:]
+    dim, start, length = cut
+    if dim == 0:
+        return tensor[start:start + length]
+    if start % (2 * BLOCK) or length % (2 * BLOCK):
+        return None
+    per = 2 if part == "qs" else BLOCK  # weights per stored column
+    return tensor[:, start // per:(start + length) // per]
+
+
 def attach(model: torch.nn.Module, model_dir: Path) -> int:
-    """Give each Linear whose rows all have Q4_1 blocks in model_dir its Q4Weight (`.q4`); returns how many."""
+    """Give each Linear whose rows all have Q4_1 blocks in model_dir its Q4Weight (`.q4`); returns how many.
+    Under tensor or pipeline parallelism each rank takes its own Linears' slices."""
     from safetensors import safe_open
 
     from pagekube.engine.model.model import Linear
@@ -116,11 +132,11 @@ def attach(model: torch.nn.Module, model_dir: Path) -> int:
     with safe_open(path, framework="pt") as f:
         for key in f.keys():
             name, part = key.rsplit(".", 1)
-            target = model.checkpoint_target(name, parts[part])  # a fused Linear's rows for q/k/v, gate/up
-            if target is None:
+            target = model.checkpoint_target(name, parts[part]) if model.holds(name) else None
+            if target is None:  # a fused Linear's rows for q/k/v, gate/up; None: not on this pipeline stage
                 continue
-            tensor, dest = f.get_tensor(key), target[1]
-            if tensor.shape != dest.shape:
+            tensor, dest = _rank_slice(f.get_slice(key), part, model.checkpoint_slice(name)), target[1]
+            if tensor is None or tensor.shape != dest.shape:
                 continue
             dest.copy_(tensor)
             if part == "qs":
