@@ -24,13 +24,16 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   echo "=== $name: rc=${RC[$name]} in ${SECS[$name]} s" | tee -a "$LOG"
 }
 nvidia-smi >>"$LOG" 2>&1 || echo "no nvidia-smi" >>"$LOG"
-step kernel_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+step kernel_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_cuda_graphs.py
 step parity_float32 90 "$PY" bench/gpu_parity.py --device cuda --dtype float32 --out "$OUT/parity-float32.json"
 step parity_bfloat16 90 "$PY" bench/gpu_parity.py --device cuda --dtype bfloat16 --out "$OUT/parity-bfloat16.json"
 step gpu_kernels 90 "$PY" bench/gpu_kernels.py
 step gpu_quant 60 "$PY" bench/gpu_quant.py
 step serve_sweep 150 "$PY" bench/serve_bench.py --requests 128 --max-tokens 64 --concurrency 1 32 128 --out "$OUT/serve"
-STEPS="kernel_tests parity_float32 parity_bfloat16 gpu_kernels gpu_quant serve_sweep"
+# The same sweep without CUDA graphs: what replaying decode steps saves (engine/model/cuda_graphs.py).
+step serve_eager 150 "$PY" bench/serve_bench.py --requests 128 --max-tokens 64 --concurrency 1 32 128 \
+  --server-flag=--enforce-eager --out "$OUT/serve-eager"
+STEPS="kernel_tests parity_float32 parity_bfloat16 gpu_kernels gpu_quant serve_sweep serve_eager"
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then  # tensor parallelism over NCCL: greedy == 1 GPU, comm cost
   step tp2 120 "$PY" bench/tp_comm.py --tiny --tp 2 --batch 32 --max-tokens 32
   STEPS="$STEPS tp2"

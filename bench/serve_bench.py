@@ -154,11 +154,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--structured", action="store_true", help="measure JSON-schema requests against unconstrained")
     ap.add_argument("--out", default="docs/bench", help="prefix for the .json results and the .png plot")
+    ap.add_argument("--server-flag", action="append", default=[],
+                    help="a flag for `pagekube serve` (repeat it), e.g. --server-flag=--enforce-eager")
     args = ap.parse_args()
     prompts = workload(args.requests)
     top = max(args.concurrency)
     rows = [] if args.structured else [offline(args.model, prompts, args.max_tokens, top)]
-    srv = ServerProcess(*([args.model] if args.model else []), "--max-num-seqs", str(top), "--disable-log-requests")
+    srv = ServerProcess(*([args.model] if args.model else []), "--max-num-seqs", str(top), "--disable-log-requests",
+                        *args.server_flag)
     try:
         srv.wait_ready()
         model = json.loads(__import__("httpx").get(srv.url + "/v1/models").text)["data"][0]["id"]

@@ -75,7 +75,11 @@ class EngineConfig(BaseModel):
     # vLLM flags users paste from vLLM's docs: accepted; where they mean nothing here, one log line says so.
     swap_space: float = Field(4, ge=0, description="vLLM's CPU swap space (GiB); unused: preemption recomputes, as in vLLM v1")
     enable_chunked_prefill: bool = Field(True, description="Chunked prefill; always on here (--no-enable-chunked-prefill is refused)")
-    enforce_eager: bool = Field(False, description="vLLM's switch off CUDA graphs; the engine always runs eagerly")
+    enforce_eager: bool = Field(False, description="No CUDA graphs: every step runs eagerly (on CUDA, decode steps "
+                                "otherwise replay graphs captured at start)")
+    cuda_graph_sizes: list[int] | None = Field(
+        None, description="Decode batch sizes captured as CUDA graphs (vLLM's): one value N: 1, 2, 4, then every 8 "
+                          "up to N; several: exactly those; default: up to --max-num-seqs")
     distributed_executor_backend: Literal["mp", "ray", "uni"] | None = Field(
         None, description="vLLM's executor for tensor parallelism; workers are always local processes (mp)")
     quantization: Literal["compressed-tensors", "awq", "gptq", "fp8", "gguf"] | None = Field(
@@ -92,6 +96,13 @@ class EngineConfig(BaseModel):
     master_addr: str = Field("127.0.0.1", description="The leader's address, where every rank meets (multi-node)")
     master_port: int = Field(29501, ge=1, le=65535, description="The leader's rendezvous port (multi-node)")
     headless: bool = Field(False, description="A worker node: run this node's ranks, no API and no scheduler")
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _positive_graph_sizes(cls, value):
+        if value is not None and (not value or min(value) < 1):
+            raise ValueError("--cuda-graph-sizes takes batch sizes of at least 1")
+        return value
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -159,8 +170,6 @@ class EngineConfig(BaseModel):
         if self.swap_space != EngineConfig.model_fields["swap_space"].default:
             notes.append(f"--swap-space {self.swap_space:g} is accepted and unused: a preempted request is "
                          "recomputed, as in vLLM v1")
-        if self.enforce_eager:
-            notes.append("--enforce-eager is accepted: the engine always runs eagerly (no CUDA graphs)")
         if self.distributed_executor_backend not in (None, "mp"):
             notes.append(f"--distributed-executor-backend {self.distributed_executor_backend} is accepted: "
                          "worker ranks are processes the engine starts itself (mp; --nnodes across machines)")

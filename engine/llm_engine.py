@@ -21,6 +21,7 @@ from pagekube.engine.errors import AdapterError, RequestRejected
 from pagekube.engine.kv_events.events import KVEventBatch
 from pagekube.engine.lora.manager import LoRAManager
 from pagekube.engine.lora.request import LoRARequest
+from pagekube.engine.model.cuda_graphs import capture_sizes, eager_reason
 from pagekube.engine.model.model_files import BUNDLED_NAME, resolve_model_dir
 from pagekube.engine.model.model_runner import ModelRunner, kv_bytes_per_block, resolve_device, resolve_dtype
 from pagekube.engine.output_processor import OutputProcessor
@@ -108,6 +109,13 @@ class LLMEngine:
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self._start_lora()
+        eager = eager_reason(config, self.runner.device, self.runner.backend.name, self.runner.world_size,
+                             config.enable_lora)
+        if eager is None:
+            self.runner.capture_cuda_graphs(capture_sizes(config.cuda_graph_sizes, config.max_num_seqs),
+                                            self.max_model_len)
+        elif self.runner.device.type == "cuda":
+            log.info({"msg": "decode steps run eagerly (no CUDA graphs)", "reason": eager})
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MB), device %s, dtype %s, attention %s",
                  self.runner.num_blocks, config.block_size, self.kv_capacity_tokens,
                  self.runner.num_blocks * self.runner.bytes_per_block / 1e6, self.runner.device,

@@ -22,6 +22,7 @@ from pagekube.engine.lora.adapter import read_adapter
 from pagekube.engine.lora.request import LoRARequest
 from pagekube.engine.lora.slots import LoRASlots, LoRAStep
 from pagekube.engine.model.attention import make_backend
+from pagekube.engine.model.cuda_graphs import CudaGraph, DecodeGraphs
 from pagekube.engine.model.model import AttentionMetadata, use_kernels
 from pagekube.engine.model.model_loader import load_model
 from pagekube.kernels.cpu_ops import CpuKernels, cpu_supports_bf16_dot, load_cpu_kernels, load_int_kernels
@@ -88,6 +89,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             log.info({"msg": "CPU kernels", "model": str(model_dir), "kernels": self.kernels.names or ["torch"]})
         self.lora = None  # LoRASlots once enable_lora is called
+        self.graphs: DecodeGraphs | None = None  # once capture_cuda_graphs is called
         self.num_layers = len(self.model.model.local_layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -128,6 +130,13 @@ class ModelRunner:
         """Which kernels this model runs (logged at start, on /version and as pagekube:kernels_info)."""
         return {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
                 "attention": self.backend.name, "cpu_kernels": ",".join(self.kernels.names) or "none"}
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, sizes: list[int], max_model_len: int, graph_type=CudaGraph) -> None:
+        """Decode steps of up to max(sizes) sequences replay CUDA graphs from now on (engine/model/cuda_graphs.py);
+        called once the KV pool is allocated (a graph keeps its address)."""
+        self.graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta, self.backend),
+                                   sizes, -(-max_model_len // self.block_size), self.device, graph_type)
 
     def allocate_kv_pool(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -277,6 +286,11 @@ class ModelRunner:
         to_dev = self._to_device
         if n_copies:
             self._copy_blocks(to_dev(src), to_dev(dst))
+        if self.graphs is not None and n_tokens == n_items and not prompt_rows.any():  # a decode step
+            hidden = self.graphs.run(tokens, positions, slots, tables.view(n_items, max_blocks).to(torch.int32),
+                                     ctx_lens)
+            if hidden is not None:
+                return self.model.compute_logits(hidden[to_dev(logit_rows)])
         starts_list, ctx_list = starts.tolist(), ctx_lens.tolist()
         meta = AttentionMetadata(
             slot_mapping=to_dev(slots),
