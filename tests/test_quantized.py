@@ -371,8 +371,8 @@ def test_a_mismatched_flag_stops_the_server_with_the_reason(smollm_checkpoints):
 
 
 
-@pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (8, 32), (8, None)], ids=["int4-g32", "int4-g64",
-                                                                                       "int8-g32", "int8-channel"])
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (4, 16), (4, 128), (8, 32), (8, None)],
+                         ids=["int4-g32", "int4-g64", "int4-g16", "int4-g128", "int8-g32", "int8-channel"])
 @pytest.mark.parametrize("n", [41, 42, 43, 44])  # the kernel's last block of weight rows: 1, 2, 3 or 4 of them
 def test_the_cpu_int_kernel_computes_the_dequantized_matmul_for_any_row_count(bits, group, n):
     from pagekube.engine.quantization.packed import QuantizedWeight
@@ -387,10 +387,11 @@ def test_the_cpu_int_kernel_computes_the_dequantized_matmul_for_any_row_count(bi
     x = torch.randn(70, k)
     reference = x @ weight.dequantize(torch.float32).t()
     bias = torch.randn(2 * n)
-    for rows in (1, 3, 8, 9, 17, 64):
+    for rows in (1, 2, 3, 4, 8, 9, 17, 64):  # 1-3: dequantized in registers; more: through a buffer
         got = weight.linear(x[:rows], bias, kernel=True)
         torch.testing.assert_close(got, reference[:rows] + bias, rtol=1e-4, atol=1e-3)  # sums reach ~1e3
-        assert torch.equal(got[0], weight.linear(x[:1], bias, kernel=True)[0])  # a row's result: batch invariant
+        alone = torch.cat([weight.linear(x[r:r + 1], bias, kernel=True) for r in range(rows)])
+        assert torch.equal(got, alone)  # each row's result as when it is alone: batch invariant
     torch.testing.assert_close(weight.linear(x[:4].bfloat16(), None, kernel=True).float(),
                                x[:4].bfloat16().float() @ weight.dequantize(torch.float32).t(), rtol=2e-2, atol=0.3)
 

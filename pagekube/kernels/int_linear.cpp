@@ -1,10 +1,10 @@
 // Linear over a quantized checkpoint's weights (engine/quantization/packed.py), for any x86 CPU with AVX2 and
 // FMA: y = x @ w.T with w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] (int4/int8) or e4m3[n, k] * scale[n, g]
 // (FP8), g = k / group_size; x and y float32. A decode step is bound by reading the weights: int4 is half a byte
-// per weight, FP8 one, against float32's 4. Weight rows are dequantized once per call into a float buffer
-// (exactly as the torch reference computes them), four at a time, then dotted with every row of x. A row's sums
-// run in the same order whatever the number of rows, so its result does not depend on its batch. K and
-// group_size: multiples of 8.
+// per weight, FP8 one, against float32's 4. Each weight is dequantized exactly as the torch reference computes
+// it: into a float buffer once per call, four rows at a time, then dotted with every row of x; at up to three
+// rows of x, int weights are dequantized in registers instead. Both take each output's products in the same
+// order, so a row's result does not depend on its batch. K and group_size: multiples of 8.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,25 +16,31 @@
 
 namespace {
 
+// 8 int4 or int8 weights of a row from column k, as (q - zero) * scale in float32: exactly torch's reference (the
+// integer difference is exact in float32, then one rounding by the multiply).
+inline __m256 int8_at(const uint8_t* q, int64_t k, __m256i z, __m256 s) {
+  const __m256i qi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi, z)), s);
+}
+
+// int4: a broadcast word and per-lane shifts, not byte shuffles (measured faster: AVX2 CPUs have few shuffle ports).
+inline __m256 int4_at(const uint8_t* q, int64_t k, __m256i z, __m256 s) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);  // column i at bits 4i of its word
+  uint32_t word;
+  std::memcpy(&word, q + k / 2, 4);
+  const __m256i qi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                                      _mm256_set1_epi32(0xF));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi, z)), s);
+}
+
 // Weight row n as float32 into w[0..K).
 void dequantize_row(const uint8_t* q, const float* scale, const uint8_t* zero, int64_t K, int64_t group_size,
                     int64_t bits, float* w) {
-  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);  // column i at bits 4i of its word
-  const __m256i nibble = _mm256_set1_epi32(0xF);
   for (int64_t g = 0; g < K / group_size; ++g) {
     const __m256i z = _mm256_set1_epi32(zero[g]);
     const __m256 s = _mm256_set1_ps(scale[g]);
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) {
-      __m256i qi;
-      if (bits == 4) {
-        uint32_t word;
-        std::memcpy(&word, q + k / 2, 4);
-        qi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts), nibble);
-      } else {
-        qi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k)));
-      }
-      _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi, z)), s));
-    }
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8)
+      _mm256_storeu_ps(w + k, bits == 4 ? int4_at(q, k, z, s) : int8_at(q, k, z, s));
   }
 }
 
@@ -117,6 +123,52 @@ at::Tensor linear(const at::Tensor& x, int64_t N, Dequantize dequantize) {
   return y;
 }
 
+// Rows of x (M <= kMB) against NB int weight rows from n0, dequantized in registers 8 columns at a time (no
+// buffer: a step of a few rows is bound by dequantizing, not by reading x). NB rows at once give NB independent
+// FMA chains (one accumulator's chain alone waits on the FMA latency). Each sum takes the same products in the
+// same order as dot_block's, so a row's result is bit-identical to the buffered path's (batch invariance).
+template <int NB, int MB, int BITS>
+void int_rows_fused(const uint8_t* q, int64_t row_bytes, const float* scale, const uint8_t* zero, int64_t groups,
+                    int64_t K, int64_t group_size, const float* x, float* y, int64_t N, int64_t n0) {
+  __m256 acc[NB][MB];
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) acc[j][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i z[NB];
+    __m256 s[NB];
+    for (int j = 0; j < NB; ++j) {
+      z[j] = _mm256_set1_epi32(zero[(n0 + j) * groups + g]);
+      s[j] = _mm256_set1_ps(scale[(n0 + j) * groups + g]);
+    }
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 8) {
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* row = q + (n0 + j) * row_bytes;
+        const __m256 w = BITS == 4 ? int4_at(row, k, z[j], s[j]) : int8_at(row, k, z[j], s[j]);
+        for (int i = 0; i < MB; ++i) acc[j][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i * K + k), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int i = 0; i < MB; ++i) y[i * N + n0 + j] = hsum(acc[j][i]);
+}
+
+// Weight rows [n0, n0 + nb) (nb <= kNB) against every row of x (M <= kMB), in registers.
+template <int BITS>
+void int_block_fused(int64_t M, int64_t nb, const uint8_t* q, int64_t row_bytes, const float* scale,
+                     const uint8_t* zero, int64_t groups, int64_t K, int64_t group_size, const float* x, float* y,
+                     int64_t N, int64_t n0) {
+#define PAGEKUBE_FUSED(NB, MB) \
+  int_rows_fused<NB, MB, BITS>(q, row_bytes, scale, zero, groups, K, group_size, x, y, N, n0)
+  if (nb == kNB) {
+    if (M == 3) PAGEKUBE_FUSED(kNB, 3); else if (M == 2) PAGEKUBE_FUSED(kNB, 2); else PAGEKUBE_FUSED(kNB, 1);
+    return;
+  }
+  for (int64_t j = 0; j < nb; ++j, ++n0) {  // the last rows, one at a time
+    if (M == 3) PAGEKUBE_FUSED(1, 3); else if (M == 2) PAGEKUBE_FUSED(1, 2); else PAGEKUBE_FUSED(1, 1);
+  }
+#undef PAGEKUBE_FUSED
+}
+
 void check_x_and_scale(const at::Tensor& x, const at::Tensor& scale, int64_t N, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const int64_t K = x.size(1);
@@ -149,6 +201,22 @@ at::Tensor int_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   const float* sp = scale.data_ptr<float>();
   const uint8_t* zp = zero.data_ptr<uint8_t>();
   const int64_t groups = K / group_size, row_bytes = K * bits / 8;
+  const int64_t M = x.size(0);
+  if (M >= 1 && M <= kMB) {  // a decode step of up to three sequences: dequantize in registers
+    at::Tensor y = at::empty({M, N}, x.options());
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, (N + kNB - 1) / kNB, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kNB, nb = std::min<int64_t>(kNB, N - n0);
+        if (bits == 4)
+          int_block_fused<4>(M, nb, qp, row_bytes, sp, zp, groups, K, group_size, xp, yp, N, n0);
+        else
+          int_block_fused<8>(M, nb, qp, row_bytes, sp, zp, groups, K, group_size, xp, yp, N, n0);
+      }
+    });
+    return y;
+  }
   return linear(x, N, [&](int64_t n, float* w) {
     dequantize_row(qp + n * row_bytes, sp + n * groups, zp + n * groups, K, group_size, bits, w);
   });
