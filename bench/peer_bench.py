@@ -1,14 +1,18 @@
-"""Peer benchmark: `pagekube serve` against llama.cpp's `llama-server` on the same GGUF file, one run, alternating.
+"""Peer benchmark: `pagekube serve` against llama.cpp's `llama-server` and vLLM's CPU build on the same model, one
+run, alternating.
 
     ./bench/build_llama_server.sh                         # once per machine (~11 min on 2 cores), cached
+    ./bench/build_vllm_cpu.sh                             # once per machine (its own virtualenv), cached
     .venv/bin/python bench/peer_bench.py --out docs/bench_peer
 
-Both serve the bundled SmolLM2-135M-Instruct GGUF. Every request is the same 128-token prompt set (token ids, so
-both servers see exactly the same input), 128 output tokens (ignore_eos; counted from each stream's usage and
-checked), streaming, through the same client (bench/serve_bench.py's). At each concurrency the servers take turns
-(the order flips per level) and each run waits for an idle machine first (1-minute load average). Prints the
-table for docs/benchmarks.md and plots tokens/s and ITL p99 against concurrency. `--smoke`: tiny sizes, and
-llama-server only if it is already built.
+All serve the bundled SmolLM2-135M-Instruct: llama.cpp its GGUF file, pagekube and vLLM the GGUF's conversion
+(vLLM without the Q4_1 blocks file, which is pagekube's own; same dtype as pagekube's, `--dtype` auto here).
+Every request is the same 128-token prompt set (token ids, so every server sees exactly the same input), 128
+output tokens (ignore_eos; counted from each stream's usage and checked), streaming, through the same client
+(bench/serve_bench.py's). At each concurrency the servers take turns (the order rotates per level) and each run
+waits for an idle machine first (1-minute load average). Prints the table for docs/benchmarks.md and plots
+tokens/s and ITL p99 against concurrency. `--smoke`: tiny sizes, llama-server only if it is already built, no
+vLLM (its start compiles for minutes).
 """
 
 from __future__ import annotations
@@ -96,6 +100,58 @@ class LlamaServer:
         self.log.close()
 
 
+class VllmServer:
+    """vLLM's CPU build (its own virtualenv, bench/build_vllm_cpu.sh) on the bundled model's conversion. Started
+    from a directory outside the checkout and with a model folder of links that leaves out pagekube's Q4_1 file."""
+
+    def __init__(self, python: str, model_dir: Path, dtype: str, max_num_seqs: int, max_model_len: int):
+        import tempfile
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workdir = Path(tempfile.mkdtemp(prefix="vllm-peer-"))
+        model = self.workdir / "model"
+        model.mkdir()
+        for f in model_dir.iterdir():
+            if f.name != "q4_1_linears.safetensors":
+                (model / f.name).symlink_to(f.resolve())
+        self.log = open(self.workdir / "server.log", "wb")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--served-model-name",
+             BUNDLED_NAME, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+             "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env)
+
+    def wait_ready(self, timeout: float = 900) -> VllmServer:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError("vLLM did not become ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+PEERS = ("llama.cpp", "vLLM CPU")
+
+
 def measure(name: str, url: str, prompts, max_tokens: int, concurrency: int, max_load: float) -> dict:
     load = wait_idle(max_load)
     row = asyncio.run(run_client(url, BUNDLED_NAME, prompts, max_tokens, concurrency, max_retries=2))
@@ -116,15 +172,16 @@ def table(rows: list[dict], levels: list[int]) -> str:
     head = " | ".join(f"C={c}" for c in levels)
     out = [f"| server | {head} | ITL p50 at C={lo} / C={hi} | ITL p99 at C={hi} | TTFT p99 at C={hi} |",
            "|---" * (len(levels) + 4) + "|"]
-    for name in ("llama.cpp", "pagekube"):
+    for name in (*PEERS, "pagekube"):
         if not any(r["mode"] == name for r in rows):
             continue
         tps = " | ".join(f"{at(name, c)['tok_s']:.1f}" for c in levels)
         out.append(f"| {name} | {tps} | {at(name, lo)['itl_p50'] * 1e3:.0f} ms / {at(name, hi)['itl_p50'] * 1e3:.0f} ms"
                    f" | {at(name, hi)['itl_p99'] * 1e3:.0f} ms | {at(name, hi)['ttft_p99']:.1f} s |")
-    if {r["mode"] for r in rows} == {"llama.cpp", "pagekube"}:
-        ratios = " | ".join(f"{at('pagekube', c)['tok_s'] / at('llama.cpp', c)['tok_s']:.2f}x" for c in levels)
-        out.append(f"| pagekube / llama.cpp | {ratios} | | | |")
+    for peer in PEERS:
+        if any(r["mode"] == peer for r in rows) and any(r["mode"] == "pagekube" for r in rows):
+            ratios = " | ".join(f"{at('pagekube', c)['tok_s'] / at(peer, c)['tok_s']:.2f}x" for c in levels)
+            out.append(f"| pagekube / {peer} | {ratios} | | | |")
     return "\n".join(out)
 
 
@@ -133,7 +190,7 @@ def plot(rows: list[dict], path: Path) -> None:
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, style in (("llama.cpp", "s--"), ("pagekube", "o-")):
+    for name, style in (("llama.cpp", "s--"), ("vLLM CPU", "^:"), ("pagekube", "o-")):
         mine = sorted((r for r in rows if r["mode"] == name), key=lambda r: r["concurrency"])
         if mine:
             conc = [r["concurrency"] for r in mine]
@@ -153,6 +210,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-load", type=float, default=0.6, help="wait for a 1-minute load average below this")
     ap.add_argument("--llama-server", default=None, help="binary (default: the one build_llama_server.sh cached)")
+    ap.add_argument("--vllm-python", default=None, help="vLLM's python (default: build_vllm_cpu.sh's, if installed)")
+    ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out")
     ap.add_argument("--pagekube-args", default="", help="extra `pagekube serve` flags, e.g. '--dtype bfloat16'")
     ap.add_argument("--out", default="docs/bench_peer", help="prefix for the .json results and the .png plot")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (a check that the script works)")
@@ -171,7 +230,18 @@ def main() -> None:
     if binary:
         servers["llama.cpp"] = LlamaServer(binary, bundled_model_file(), top, args.prompt_tokens + args.max_tokens + 16)
     else:
-        print("llama-server not built: measuring pagekube only", file=sys.stderr)
+        print("llama-server not built: leaving llama.cpp out", file=sys.stderr)
+    vllm = None if args.smoke or args.no_vllm else args.vllm_python or subprocess.run(
+        [str(REPO / "bench/build_vllm_cpu.sh")], capture_output=True, text=True,
+        env={**os.environ, "PAGEKUBE_ONLY_IF_BUILT": "1"}).stdout.strip() or None
+    if vllm:
+        from pagekube.engine.model.model_runner import resolve_device, resolve_dtype
+
+        dtype = str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")  # what pagekube runs
+        servers["vLLM CPU"] = VllmServer(vllm, resolve_model_dir(None), dtype, top,
+                                         args.prompt_tokens + args.max_tokens + 16)
+    elif not args.smoke and not args.no_vllm:
+        print("vLLM CPU not installed (bench/build_vllm_cpu.sh): leaving it out", file=sys.stderr)
     rows = []
     try:
         for srv in servers.values():
@@ -181,7 +251,8 @@ def main() -> None:
             measure(name, srv.url, warm_up, 4, 2, 100.0)
         for i, c in enumerate(args.concurrency):
             prompts = token_prompts(max(8, 2 * c) if not args.smoke else 2, args.prompt_tokens, seed=c)
-            order = list(servers) if i % 2 == 0 else list(reversed(servers))
+            names = list(servers)
+            order = names[i % len(names):] + names[:i % len(names)]  # who goes first rotates per level
             for name in order:
                 rows.append(measure(name, servers[name].url, prompts, args.max_tokens, c, args.max_load))
     finally:

@@ -57,6 +57,25 @@ def test_peer_benchmark_smoke():
     assert any(line.startswith("| pagekube | ") for line in out.stdout.splitlines()), out.stdout
 
 
+def test_peer_table_compares_pagekube_with_each_peer():
+    sys.path.insert(0, str(REPO))
+    from bench.peer_bench import table
+
+    def row(mode, c, tok_s):
+        return {"mode": mode, "concurrency": c, "tok_s": tok_s, "itl_p50": 0.01, "itl_p99": 0.1, "ttft_p99": 1.0}
+
+    rows = [row(m, c, t * c) for m, t in (("pagekube", 90), ("llama.cpp", 60), ("vLLM CPU", 30)) for c in (1, 32)]
+    lines = table(rows, [1, 32]).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| llama.cpp", "| vLLM CPU", "| pagekube",
+                                                            "| pagekube / llama.cpp", "| pagekube / vLLM CPU"]
+    assert lines[-1].startswith("| pagekube / vLLM CPU | 3.00x | 3.00x |")
+
+
+def test_peer_install_scripts_parse():
+    for script in ("bench/build_llama_server.sh", "bench/build_vllm_cpu.sh"):
+        assert subprocess.run(["bash", "-n", str(REPO / script)]).returncode == 0, script
+
+
 def test_offline_vs_hf_benchmark_smoke(tmp_path):
     """Both sides produce the requested output tokens, each mode in its own process."""
     out = subprocess.run([sys.executable, str(REPO / "bench/offline_vs_hf.py"), "--requests", "2", "--max-output", "17",
