@@ -68,8 +68,42 @@ def wait_idle(max_load: float, timeout: float = 120) -> float:
         time.sleep(5)
 
 
-class LlamaServer:
+class PeerProcess:
+    """A peer server we started: `proc`, `url` (answering /health with 200 once ready), `log` (its output file)."""
+
+    name = "peer"
+    proc: subprocess.Popen
+    url: str
+
+    def wait_ready(self, timeout: float = 900):
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} did not become ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class LlamaServer(PeerProcess):
     """llama.cpp's server on the bundled GGUF: 2 threads, one slot per concurrent user, continuous batching."""
+
+    name = "llama-server"
 
     def __init__(self, binary: str, gguf: Path, slots: int, ctx_per_slot: int):
         self.port = free_port()
@@ -79,30 +113,12 @@ class LlamaServer:
                                       "-np", str(slots), "-c", str(slots * ctx_per_slot), "-t", str(os.cpu_count()),
                                       "--no-webui"], stdout=self.log, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 120) -> LlamaServer:
-        import httpx
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("llama-server did not become ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
-
-
-class VllmServer:
+class VllmServer(PeerProcess):
     """vLLM's CPU build (its own virtualenv, bench/build_vllm_cpu.sh) on the bundled model's conversion. Started
     from a directory outside the checkout and with a model folder of links that leaves out pagekube's Q4_1 file."""
+
+    name = "vLLM"
 
     def __init__(self, python: str, model_dir: Path, dtype: str, max_num_seqs: int, max_model_len: int):
         import tempfile
@@ -123,30 +139,6 @@ class VllmServer:
              BUNDLED_NAME, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
              "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=self.workdir, env=env)
-
-    def wait_ready(self, timeout: float = 900) -> VllmServer:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError("vLLM did not become ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 PEERS = ("llama.cpp", "vLLM CPU")
