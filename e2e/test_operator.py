@@ -226,6 +226,8 @@ def test_deleting_the_llmdeployment_garbage_collects_every_child(control_plane, 
     ({"loadBalancer": {"strategy": "RoundRobin"}}, 'spec.loadBalancer.strategy: Unsupported value: "RoundRobin"'),
     ({"loadBalancer": {"prefixHash": {"maxConnectionsPerReplica": 0}}},
      "spec.loadBalancer.prefixHash.maxConnectionsPerReplica: Invalid value: 0"),
+    ({"monitoring": {"alertFor": {"PagekubeQueueDepth": "1m"}}}, "monitoring.alertFor: the alerts are PagekubeKVCacheSaturated"),
+    ({"monitoring": {"alertFor": {"PagekubeEngineDown": "2 minutes"}}}, "spec.monitoring.alertFor.PagekubeEngineDown in body should match"),
 ])
 def test_invalid_manifests_are_refused_by_the_api_server(control_plane, spec, message):
     doc = yaml.safe_load(manifest("bad", "default"))

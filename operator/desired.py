@@ -67,7 +67,7 @@ def desired_objects(name: str, namespace: str, uid: str, spec: LLMDeploymentSpec
             objects.append(build_service_monitor(name, namespace, "activator", METRICS_PATH))
     if spec.monitoring.prometheus_rule:
         objects.append(build_prometheus_rule(name, namespace, spec.monitoring.thresholds,
-                                             spec.autoscaling.scales_to_zero))
+                                             spec.autoscaling.scales_to_zero, spec.monitoring.alert_for))
     if spec.gateway.inference_pool:
         objects.append(build_inference_pool(name, namespace, spec))
     for obj in objects:

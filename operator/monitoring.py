@@ -80,12 +80,15 @@ def activator_absent_rule(name: str, namespace: str) -> dict:
     }
 
 
-def build_prometheus_rule(name: str, namespace: str, thresholds: AlertThresholds, scales_to_zero: bool = False) -> dict:
+def build_prometheus_rule(name: str, namespace: str, thresholds: AlertThresholds, scales_to_zero: bool = False,
+                          alert_for: dict[str, str] | None = None) -> dict:
+    """The LLMDeployment's alerts; `alert_for` replaces the pending periods (`for`) of the alerts it names."""
     rules = alert_rules(pod_selector(name, namespace), thresholds)
     if scales_to_zero:
         rules.append(activator_absent_rule(name, namespace))
     for r in rules:
         r["labels"]["llmdeployment"] = name
+        r["for"] = (alert_for or {}).get(r["alert"], r["for"])
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",

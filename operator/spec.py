@@ -6,7 +6,7 @@ so the API server fills them in and `kubectl get -o yaml` shows what the operato
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -308,12 +308,34 @@ class AlertThresholds(_Spec):
     preemptions_per_second: float = Field(1.0, gt=0)
 
 
+# The alerts of the rendered PrometheusRule (operator/monitoring.py), whose pending periods alertFor may change.
+ALERTS = ("PagekubeKVCacheSaturated", "PagekubeQueueDepthHigh", "PagekubeTTFTHigh", "PagekubeErrorRatioHigh",
+          "PagekubeEngineDown", "PagekubePreemptionRateHigh", "PagekubeLoRAAdapterNotLoaded",
+          "PagekubeActivatorMetricAbsent")
+PROM_DURATION = r"^([0-9]+(ms|s|m|h|d|w|y))+$"  # Prometheus's duration syntax (a rule's `for`)
+
+
 class MonitoringSpec(_Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": f"!has(self.alertFor) || self.alertFor.all(a, a in {list(ALERTS)})",
+        "message": f"monitoring.alertFor: the alerts are {', '.join(ALERTS)}"}]})
+
     service_monitor: bool = False
     prometheus_rule: bool = False
     labels: dict[str, str] = Field(default_factory=dict, description="Added to the ServiceMonitors and PrometheusRule "
                                    "(kube-prometheus-stack selects them by its release label, e.g. release: kps)")
     thresholds: AlertThresholds = Field(default_factory=AlertThresholds)
+    alert_for: dict[str, Annotated[str, Field(pattern=PROM_DURATION)]] = Field(
+        default_factory=dict, description="How long an alert's condition must hold before it fires (its rule's "
+                                          "`for`), by alert name, e.g. PagekubeQueueDepthHigh: 2m")
+
+    @field_validator("alert_for")
+    @classmethod
+    def _known_alerts(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(ALERTS))
+        if unknown:
+            raise ValueError(f"monitoring.alertFor: no alert named {', '.join(unknown)} (the alerts are {', '.join(ALERTS)})")
+        return value
 
 
 class EndpointPickerRef(_Spec):

@@ -13,6 +13,7 @@ import yaml
 from pagekube.operator.crd import crd_yaml
 from pagekube.operator.monitoring import generic_rules_file
 from tests.k8s_tools import REPO, helm
+from tests.test_operator_builders import validate_custom_resource
 
 CHART = REPO / "charts/pagekube"
 
@@ -69,12 +70,32 @@ def test_grafana_dashboard_configmap_is_off_by_default_and_carries_the_sidecar_l
     assert all(t["expr"] for p in dashboard["panels"] for t in p["targets"])
 
 
+def test_the_operator_service_monitor_is_off_by_default_and_selects_the_operator_pods_metrics_port():
+    def render(*values):
+        out = subprocess.run([helm(), "template", "pk", str(CHART), "--namespace", "pagekube-system", *values],
+                             check=True, capture_output=True, text=True).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+    assert not [d for d in render() if d["kind"] in ("Service", "ServiceMonitor")]
+    docs = render("--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.serviceMonitor.labels.release=kps")
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    kubernetes_validate.validate(service, "1.35.0", strict=True)
+    validate_custom_resource(monitor)
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["metadata"]["labels"]["release"] == "kps" and monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert service["spec"]["ports"][0]["targetPort"] in [p["name"] for p in pod["spec"]["containers"][0]["ports"]]
+
+
 @pytest.mark.parametrize("value, complaint", [
     (["--set", "workers=0"], "workers"),
     (["--set", "logLevel=verbose"], "logLevel"),
     (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
     (["--set", "watchNamespaces={Team_A}"], "watchNamespaces"),
     (["--set", "resyncSecond=60"], "resyncSecond"),  # a misspelt key is refused, not silently ignored
+    (["--set", "metrics.serviceMonitor.interval=30 seconds"], "interval"),
 ])
 def test_the_values_schema_refuses_a_bad_value_by_name(value, complaint):
     r = subprocess.run([helm(), "template", "pk", str(CHART), *value], capture_output=True, text=True)

@@ -25,7 +25,7 @@ from pagekube.operator.desired import desired_objects
 from pagekube.operator.engine_deployment import build_engine_deployment, engine_args, grace_period_seconds
 from pagekube.operator.nginx import SCRIPT_KEY, build_nginx_configmap, prefix_route_script, render_nginx_conf
 from pagekube.operator.reconciler import contains
-from pagekube.operator.spec import LLMDeploymentSpec
+from pagekube.operator.spec import ALERTS, LLMDeploymentSpec
 from pagekube.operator.status import compute_status, merge_transition_times, status_changed
 from tests.k8s_tools import EXAMPLES, REPO, third_party_crd
 
@@ -535,6 +535,19 @@ def test_monitoring_labels_and_keda_fallback():
     plain = next(o for o in desired_objects("m", "ns", "uid", spec_of(autoscaling={"enabled": True}))
                  if o["kind"] == "ScaledObject")
     assert "fallback" not in plain["spec"]
+
+
+def test_alert_for_replaces_the_pending_period_of_the_alerts_it_names():
+    spec = spec_of(monitoring={"prometheusRule": True, "alertFor": {"PagekubeQueueDepthHigh": "20s"}},
+                   autoscaling={"enabled": True, "minReplicas": 0})
+    rule = next(o for o in desired_objects("m", "ns", "uid", spec) if o["kind"] == "PrometheusRule")
+    rules = {r["alert"]: r["for"] for r in rule["spec"]["groups"][0]["rules"]}
+    assert set(rules) == set(ALERTS)  # every alert the field may name is rendered (with scale to zero)
+    assert rules["PagekubeQueueDepthHigh"] == "20s" and rules["PagekubeEngineDown"] == "2m"
+    with pytest.raises(ValidationError, match="no alert named PagekubeQueueDepth "):
+        spec_of(monitoring={"alertFor": {"PagekubeQueueDepth": "1m"}})
+    with pytest.raises(ValidationError, match="should match pattern"):
+        spec_of(monitoring={"alertFor": {"PagekubeEngineDown": "2 minutes"}})
 
 
 def admitted_by(policy: dict, labels: dict, namespace: str) -> bool:
