@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 . ./k8s-version.sh
-ETCD=v3.6.5 KEDA=v2.21.0 PROM_OP=v0.85.0 GIE=v1.6.2 LWS=v0.9.0 KUBECTL_LAYER=2.2.2
+ETCD=v3.6.5 KEDA=v2.21.0 PROM_OP=v0.93.0 GIE=v1.6.2 LWS=v0.9.0 KUBECTL_LAYER=2.2.2
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 BIN=$CACHE/controlplane/k8s-$K8S-etcd-$ETCD
 TOOLS=$CACHE/tools/kubectl-layer-v35-$KUBECTL_LAYER

@@ -1,9 +1,11 @@
-"""The node's autoscaling stack: a real Prometheus scraping the pods the API server lists, and the real KEDA
-operator and metrics adapter (built by e2e/node/build.sh) behind the API server's aggregation layer, so that the
-HPA controller in kube-controller-manager reads KEDA's external metrics as it does in any cluster.
+"""The node's autoscaling stack: the real KEDA operator and metrics adapter (built by e2e/node/build.sh) behind
+the API server's aggregation layer, so that the HPA controller in kube-controller-manager reads KEDA's external
+metrics as it does in any cluster. KEDA queries the operator-run Prometheus (e2e/node/monitoring.py) by its Service
+DNS name, as a ScaledObject's prometheusAddress says.
 
-They run as processes in the node's network namespace, as the control plane does (the adapter and operator talk
-mutual TLS with the harness's certificates instead of the ones KEDA's cert rotation would put in a Secret).
+They run as processes in the node's network namespace, as the control plane does, resolving cluster names through
+CoreDNS as a pod would (the adapter and operator talk mutual TLS with the harness's certificates instead of the ones
+KEDA's cert rotation would put in a Secret).
 """
 
 from __future__ import annotations
@@ -11,59 +13,13 @@ from __future__ import annotations
 import base64
 import json
 import os
-import threading
 from pathlib import Path
 
 import yaml
 
 from e2e.node.node import NODE_IP, Node
 
-PROMETHEUS_PORT = 9090
 ADAPTER_PORT = 6444
-PROMETHEUS_URL = f"http://{NODE_IP}:{PROMETHEUS_PORT}"
-
-
-def prometheus_config(targets_file: Path) -> dict:
-    """Scrape what pod_targets() lists, every 2 s. Debian's Prometheus is built without Kubernetes service
-    discovery, so the harness lists the pods (as kubernetes_sd's role: pod would) into a file_sd file."""
-    return {
-        "global": {"scrape_interval": "2s", "evaluation_interval": "2s"},
-        "scrape_configs": [{"job_name": "pods", "file_sd_configs": [{"files": [str(targets_file)],
-                                                                      "refresh_interval": "2s"}]}],
-    }
-
-
-def pod_targets(pods: list[dict]) -> list[dict]:
-    """Pods that ask to be scraped (the engine's prometheus.io/* annotations), labelled namespace/pod as the
-    ScaledObject's query expects."""
-    targets = []
-    for pod in pods:
-        notes, ip = pod["metadata"].get("annotations") or {}, pod["status"].get("podIP")
-        if notes.get("prometheus.io/scrape") == "true" and ip and pod["status"].get("phase") == "Running":
-            targets.append({"targets": [f"{ip}:{notes.get('prometheus.io/port', '80')}"],
-                            "labels": {"namespace": pod["metadata"]["namespace"], "pod": pod["metadata"]["name"],
-                                       "__metrics_path__": notes.get("prometheus.io/path", "/metrics")}})
-    return targets
-
-
-class PodDiscovery(threading.Thread):
-    """Rewrites the file_sd file from the API server's pod list every second until stopped."""
-
-    def __init__(self, node: Node, path: Path):
-        super().__init__(daemon=True)
-        self.node, self.path, self.stopped = node, path, threading.Event()
-        self.write()
-
-    def write(self) -> None:
-        r = self.node.kubectl("get", "pods", "-A", "-o", "json", check=False)
-        if r.returncode == 0:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(pod_targets(json.loads(r.stdout)["items"])))
-            tmp.replace(self.path)  # Prometheus never reads half a file
-
-    def run(self) -> None:
-        while not self.stopped.wait(1):
-            self.write()
 
 
 def _metrics_api_service(ca_bundle: bytes) -> str:
@@ -86,15 +42,9 @@ def _metrics_api_service(ca_bundle: bytes) -> str:
     return json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
 
 
-def start_autoscaling(node: Node, keda_bin: Path) -> PodDiscovery:
-    """Start Prometheus, KEDA's CRDs, operator and adapter; returns the pod discovery thread (stop it when done)."""
+def start_autoscaling(node: Node, keda_bin: Path) -> None:
+    """Install KEDA's CRDs and start its operator and metrics adapter."""
     d = node.workdir
-    discovery = PodDiscovery(node, d / "targets.json")
-    discovery.start()
-    (d / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(discovery.path)))
-    node.spawn("prometheus", ["prometheus", f"--config.file={d / 'prometheus.yml'}",
-                              f"--storage.tsdb.path={d / 'prometheus'}",
-                              f"--web.listen-address=0.0.0.0:{PROMETHEUS_PORT}"])
 
     # Every CRD KEDA ships, eventing.keda.sh's included: its operator watches them all, and one missing makes it
     # exit two minutes after start (its cache never syncs), which leaves the HPA without metrics.
@@ -111,13 +61,13 @@ def start_autoscaling(node: Node, keda_bin: Path) -> PodDiscovery:
         str(keda_bin / "keda-operator"), "--leader-elect=false", "--enable-cert-rotation=false",
         f"--cert-dir={certs}", "--metrics-bind-address=127.0.0.1:8082", "--health-probe-bind-address=127.0.0.1:8083",
         "--metrics-service-bind-address=127.0.0.1:9666", "--enable-webhook-patching=false",
-        "--enable-apiservice-patching=false", "--zap-log-level=info"], env=env)
+        "--enable-apiservice-patching=false", "--zap-log-level=info"], env=env, cluster_dns=True)
     node.spawn("keda-adapter", [
         str(keda_bin / "keda-adapter"), f"--secure-port={ADAPTER_PORT}", f"--tls-cert-file={certs / 'tls.crt'}",
         f"--tls-private-key-file={certs / 'tls.key'}", f"--cert-dir={certs}",
         "--metrics-service-address=127.0.0.1:9666", f"--lister-kubeconfig={node.kubeconfig}",
         f"--authentication-kubeconfig={node.kubeconfig}",
-        f"--authorization-kubeconfig={node.kubeconfig}", "--port=8084", "--zap-log-level=info"], env=env)
+        f"--authorization-kubeconfig={node.kubeconfig}", "--port=8084", "--zap-log-level=info"], env=env,
+        cluster_dns=True)
     node.wait("the external metrics API", lambda: node.kubectl(
         "get", "--raw", "/apis/external.metrics.k8s.io/v1beta1", check=False).returncode == 0, 120)
-    return discovery

@@ -5,6 +5,14 @@
 #   KEDA operator + metrics adapter     <- github.com/kedacore/keda/v2 (its go.mod has a replace: built inside a copy)
 #   LeaderWorkerSet controller          <- sigs.k8s.io/lws (v0.10.0 is not on the proxy; v0.9.0 is the newest there)
 #   argocd-health                       <- e2e/argocd: Argo CD's settings + Lua health code (github.com/argoproj/argo-cd/v3)
+#   prometheus-operator + config-reloader <- github.com/prometheus-operator/prometheus-operator v0.93.0, with its
+#                                          bundle.yaml (CRDs, RBAC, Deployment); its go.mod replaces its pkg/apis and
+#                                          pkg/client modules with folders the module zip leaves out: built against
+#                                          their published versions (v0.95.x is not on the proxy, nor v0.94.0's
+#                                          pkg/client)
+#   Prometheus with Kubernetes discovery <- github.com/prometheus/prometheus v0.316.0 (= Prometheus 3.16.0) with the
+#                                          build tags that keep kubernetes_sd only (the other clouds' SDKs are most
+#                                          of its build time) and no embedded web UI assets (the API is what is used)
 # Run by e2e/node/images.sh (and so by scripts/test-deps.sh).
 # Output (stdout): KEY=path lines, like e2e/controlplane/build.sh.
 set -euo pipefail
@@ -13,13 +21,17 @@ cd "$(dirname "$0")/../controlplane"
 COREDNS=v1.14.7
 KEDA=v2.21.0  # the version whose CRDs e2e/controlplane/build.sh fetches
 LWS=v0.9.0    # likewise
+PROM_OP=v0.93.0      # the version whose CRDs e2e/controlplane/build.sh fetches
+PROMETHEUS=v0.316.0 PROMETHEUS_RELEASE=v3.16.0  # the Go module's versions: v0.3MM.P is release 3.MM.P
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 BIN=$CACHE/node/k8s-$K8S-coredns-$COREDNS
 log() { echo "[node] $*" >&2; }
 # A writable copy of a module's source, to build inside (a go.mod with `replace` directives cannot be `go install`ed).
 module_copy() { # MODULE@VERSION
   local src tmp
-  src=$(go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  # `|| return`: errexit does not reach inside the $(...) this runs in, and an empty $src would copy /
+  src=$(go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])') || return 1
+  [ -d "$src" ] || return 1
   tmp=$(mktemp -d) && cp -r "$src/." "$tmp/" && chmod -R u+w "$tmp" && echo "$tmp"
 }
 
@@ -66,7 +78,30 @@ if [ ! -x "$ARGOCD_BIN/argocd-health" ]; then
   rm -rf "$ARGOCD_BIN" && mv "$ARGOCD_BIN.tmp" "$ARGOCD_BIN"
   log "argocd-health built in $((SECONDS - start)) s"
 fi
+MONITORING_BIN=$CACHE/node/prometheus-operator-$PROM_OP-prometheus-$PROMETHEUS
+if [ ! -x "$MONITORING_BIN/prometheus" ]; then
+  log "building prometheus-operator $PROM_OP and Prometheus $PROMETHEUS (Kubernetes discovery only) into $MONITORING_BIN (several minutes, once)"
+  start=$SECONDS
+  mkdir -p "$MONITORING_BIN.tmp"
+  tmp=$(module_copy "github.com/prometheus-operator/prometheus-operator@$PROM_OP")
+  (cd "$tmp" && go mod edit -dropreplace=github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring \
+      -dropreplace=github.com/prometheus-operator/prometheus-operator/pkg/client \
+    && CGO_ENABLED=0 GOWORK=off GOFLAGS=-buildvcs=false go build -mod=mod -trimpath -ldflags '-s -w' \
+      -o "$MONITORING_BIN.tmp/" ./cmd/operator ./cmd/prometheus-config-reloader)
+  cp "$tmp/bundle.yaml" "$MONITORING_BIN.tmp/"
+  rm -rf "$tmp"
+  log "prometheus-operator built in $((SECONDS - start)) s"
+  tmp=$(module_copy "github.com/prometheus/prometheus@$PROMETHEUS")
+  # GOWORK=off: its go.work names modules the proxy's zip leaves out
+  (cd "$tmp" && CGO_ENABLED=0 GOWORK=off GOFLAGS=-buildvcs=false go build -trimpath -ldflags '-s -w' \
+    -tags remove_all_sd,enable_kubernetes_sd -o "$MONITORING_BIN.tmp/prometheus" ./cmd/prometheus)
+  rm -rf "$tmp" "$MONITORING_BIN" && mv "$MONITORING_BIN.tmp" "$MONITORING_BIN"
+  log "prometheus-operator and Prometheus built in $((SECONDS - start)) s"
+fi
 echo "PAGEKUBE_NODE_BIN=$BIN"
 echo "PAGEKUBE_KEDA_BIN=$KEDA_BIN"
 echo "PAGEKUBE_LWS_BIN=$LWS_BIN"
+echo "PAGEKUBE_MONITORING_BIN=$MONITORING_BIN"
+echo "PAGEKUBE_PROM_OP_VERSION=$PROM_OP"
+echo "PAGEKUBE_PROMETHEUS_VERSION=$PROMETHEUS_RELEASE"
 echo "PAGEKUBE_ARGOCD_HEALTH=$ARGOCD_BIN/argocd-health"

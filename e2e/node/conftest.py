@@ -43,12 +43,13 @@ def node(tmp_path_factory, pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def operator_release(node):
-    """`helm install` of charts/pagekube with the locally built operator image (the chart's own RBAC)."""
+def operator_release(node, prometheus):
+    """`helm install` of charts/pagekube with the locally built operator image (the chart's own RBAC), its
+    ServiceMonitor scraped by the node's Prometheus."""
     repo, tag = OPERATOR_IMAGE
     node.helm("install", "pagekube", str(REPO / "charts/pagekube"), "-n", "pagekube-system", "--create-namespace",
               "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-              "--wait", "--timeout", "180s")
+              "--set", "metrics.serviceMonitor.enabled=true", "--wait", "--timeout", "180s")
     yield "pagekube"
     node.helm("uninstall", "pagekube", "-n", "pagekube-system", "--wait")
 
@@ -122,14 +123,20 @@ def stream_runs():
 
 
 @pytest.fixture(scope="session")
-def keda(node):
-    """Prometheus + the KEDA operator and metrics adapter, started once for the tests that autoscale."""
-    from e2e.node.autoscaling import PROMETHEUS_URL, start_autoscaling
+def prometheus(node):
+    """prometheus-operator and a Prometheus it runs (e2e/node/monitoring.py); the URL KEDA queries."""
+    from e2e.node.monitoring import start_monitoring
 
-    discovery = start_autoscaling(node, node.tools["PAGEKUBE_KEDA_BIN"])
-    yield PROMETHEUS_URL
-    discovery.stopped.set()
-    discovery.join()
+    return start_monitoring(node)
+
+
+@pytest.fixture(scope="session")
+def keda(node, prometheus):
+    """The KEDA operator and metrics adapter, started once for the tests that autoscale; Prometheus's URL."""
+    from e2e.node.autoscaling import start_autoscaling
+
+    start_autoscaling(node, node.tools["PAGEKUBE_KEDA_BIN"])
+    return prometheus
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,9 @@
 #   localhost/debian:bookworm       <- debootstrap bookworm minbase + python3/pip/venv + the host's CA certificates
 #   localhost/nginx:sid             <- debootstrap sid minbase + nginx (>= 1.27.3: the operator's `server ... resolve`)
 #   localhost/coredns:$COREDNS      <- the CoreDNS binary from build.sh
+#   localhost/prometheus-operator:$V <- prometheus-operator and its config-reloader from build.sh (one image, both
+#                                      binaries at the paths upstream's images use)
+#   localhost/prometheus:$V         <- Prometheus (Kubernetes discovery) from build.sh
 #   localhost/pagekube-engine:cpu   <- images/engine/Dockerfile, BASE=localhost/debian:bookworm (buildah bud)
 #   localhost/pagekube-operator:dev <- images/operator/Dockerfile, its python:3.12-slim served by the bookworm base
 # Output (stdout): build.sh's KEY=path lines, then PAGEKUBE_NODE_IMAGES=dir (one NAME.tar per image).
@@ -12,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 REPO=$(cd ../.. && pwd)
 binaries=$(./build.sh)
-eval "$binaries"   # PAGEKUBE_NODE_BIN (CoreDNS), PAGEKUBE_KEDA_BIN
+eval "$binaries"   # PAGEKUBE_NODE_BIN (CoreDNS), PAGEKUBE_KEDA_BIN, PAGEKUBE_MONITORING_BIN
 CACHE=${PAGEKUBE_CACHE:-$HOME/.cache/pagekube}
 OUT=$CACHE/node/images
 STORE=$CACHE/node/buildah   # buildah's own storage (no daemon): the base images the Dockerfiles build FROM
@@ -56,6 +59,20 @@ if [ ! -f "$OUT/coredns.tar" ]; then
   tmp=$(mktemp -d) && cp "$PAGEKUBE_NODE_BIN/coredns" "$tmp/"
   archive "$tmp" coredns "localhost/coredns:$COREDNS_TAG" '["/coredns"]'
   rm -rf "$tmp"
+fi
+
+PROM_OP_TAG=$PAGEKUBE_PROM_OP_VERSION PROMETHEUS_TAG=$PAGEKUBE_PROMETHEUS_VERSION
+MON=$(basename "$PAGEKUBE_MONITORING_BIN")
+if [ "$(cat "$OUT/monitoring.src" 2>/dev/null)" != "$MON" ]; then
+  log "prometheus-operator $PROM_OP_TAG and prometheus $PROMETHEUS_TAG"
+  tmp=$(mktemp -d) && mkdir "$tmp/bin"
+  cp "$PAGEKUBE_MONITORING_BIN/operator" "$PAGEKUBE_MONITORING_BIN/prometheus-config-reloader" "$tmp/bin/"
+  archive "$tmp" prometheus-operator "localhost/prometheus-operator:$PROM_OP_TAG" '["/bin/operator"]'
+  rm -rf "$tmp" && tmp=$(mktemp -d) && mkdir "$tmp/bin" "$tmp/prometheus" && chmod 777 "$tmp/prometheus"
+  cp "$PAGEKUBE_MONITORING_BIN/prometheus" "$tmp/bin/"
+  archive "$tmp" prometheus "localhost/prometheus:$PROMETHEUS_TAG" '["/bin/prometheus"]'
+  rm -rf "$tmp"
+  echo "$MON" > "$OUT/monitoring.src"
 fi
 
 if [ ! -f "$OUT/debian.tar" ]; then
@@ -104,3 +121,5 @@ build engine localhost/pagekube-engine:cpu images/engine/Dockerfile \
 [ $((SECONDS - start)) -gt 5 ] && log "images ready in $((SECONDS - start)) s"
 echo "$binaries"
 echo "PAGEKUBE_NODE_IMAGES=$OUT"
+echo "PAGEKUBE_PROMETHEUS_OPERATOR_IMAGE=localhost/prometheus-operator:$PROM_OP_TAG"
+echo "PAGEKUBE_PROMETHEUS_IMAGE=localhost/prometheus:$PROMETHEUS_TAG"

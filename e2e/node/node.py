@@ -230,8 +230,16 @@ class Node:
                 out.append(f"--- {name} exited with {p.returncode}\n{(self.workdir / f'{name}.log').read_text()[-2500:]}")
         return "\n".join(out)
 
-    def spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
-        """Start a node process inside the network namespace; stop() ends it."""
+    def spawn(self, name: str, args: list[str], env: dict | None = None, cluster_dns: bool = False) -> None:
+        """Start a node process inside the network namespace; stop() ends it. With cluster_dns it resolves Service
+        names as a pod does (CoreDNS, the pod search path), from a mount namespace of its own whose
+        /etc/resolv.conf says so: the kubelet and CoreDNS keep the host's."""
+        if cluster_dns:
+            resolv = self.workdir / "cluster-resolv.conf"
+            resolv.write_text(f"nameserver {DNS_IP}\nsearch default.svc.cluster.local svc.cluster.local "
+                              "cluster.local\noptions ndots:5\n")
+            args = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/resolv.conf && exec "$@"', str(resolv), *args]
         log = open(self.workdir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(in_netns(*args), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)

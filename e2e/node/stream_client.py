@@ -37,7 +37,10 @@ async def one_stream(client: openai.AsyncOpenAI, i: int, args) -> None:
                 finish = choice.finish_reason or finish
         emit(event="result", stream=i, finish_reason=finish, chunks=chunks, completion_tokens=usage)
     except Exception as e:  # a lost stream is what the tests look for: report it, never raise
-        emit(event="result", stream=i, error=f"{type(e).__name__}: {e}", chunks=chunks)
+        response = getattr(e, "response", None)  # an HTTP error's status and Retry-After (the activator's 429)
+        emit(event="result", stream=i, error=f"{type(e).__name__}: {e}", chunks=chunks,
+             status=getattr(response, "status_code", None),
+             retry_after=response.headers.get("retry-after") if response is not None else None)
 
 
 async def main(argv: list[str] | None = None) -> None:

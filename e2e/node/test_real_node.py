@@ -50,8 +50,8 @@ def apply(node, replicas: int) -> None:
     node.kubectl("apply", "-f", "-", input=json.dumps(llmdeployment(replicas)))
 
 
-def condition(node, kind: str) -> dict:
-    r = node.kubectl("get", "llmd", NAME, "-o", "json", check=False)
+def condition(node, kind: str, name: str = NAME) -> dict:
+    r = node.kubectl("get", "llmd", name, "-o", "json", check=False)
     if r.returncode:
         return {}
     conds = json.loads(r.stdout).get("status", {}).get("conditions", [])
