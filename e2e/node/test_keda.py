@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from e2e.node.test_real_node import LONG, assert_all_finished, engine_pods, llmdeployment, ready, routes
+from e2e.node.test_real_node import (
+    LONG,
+    assert_all_finished,
+    engine_pods,
+    lb_url,
+    llmdeployment,
+    ready,
+    routes,
+)
 from e2e.waiting import wait_for
 
 NAME = "scaled"
@@ -44,8 +52,7 @@ def scaled(node, operator_release, model_claim, keda):
                  what="one ready engine pod", interval=2)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{node.diagnostics()}") from None
-    ip = node.kubectl("get", "service", f"{NAME}-lb", "-o", "jsonpath={.spec.clusterIP}").stdout
-    url = f"http://{ip}/v1"
+    url = lb_url(node, NAME)
     wait_for(lambda: routes(url), timeout=30, what="NGINX routing to the engine", interval=0.5)
     yield url
     node.kubectl("delete", "llmd", NAME, "--wait=true", "--timeout=300s", timeout=320)

@@ -16,6 +16,7 @@ from e2e.node.test_real_node import (
     assert_all_finished,
     condition,
     engine_pods,
+    lb_url,
     llmdeployment,
     routes,
 )
@@ -46,8 +47,7 @@ def watched(node, operator_release, model_claim, prometheus):
                  what="Ready=True", interval=2)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{node.diagnostics()}") from None
-    ip = node.kubectl("get", "service", f"{NAME}-lb", "-o", "jsonpath={.spec.clusterIP}").stdout
-    url = f"http://{ip}/v1"
+    url = lb_url(node, NAME)
     wait_for(lambda: routes(url), timeout=30, what="NGINX routing to the engine", interval=0.5)
     yield url
     node.kubectl("delete", "llmd", NAME, "--wait=true", "--timeout=300s", timeout=320)

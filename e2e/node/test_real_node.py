@@ -73,8 +73,8 @@ def ready(pod: dict) -> bool:
     return not pod["metadata"].get("deletionTimestamp") and any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
-def lb_url(node) -> str:
-    ip = node.kubectl("get", "service", f"{NAME}-lb", "-o", "jsonpath={.spec.clusterIP}").stdout
+def lb_url(node, name: str = NAME) -> str:
+    ip = node.kubectl("get", "service", f"{name}-lb", "-o", "jsonpath={.spec.clusterIP}").stdout
     return f"http://{ip}/v1"
 
 
