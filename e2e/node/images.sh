@@ -63,7 +63,7 @@ fi
 
 PROM_OP_TAG=$PAGEKUBE_PROM_OP_VERSION PROMETHEUS_TAG=$PAGEKUBE_PROMETHEUS_VERSION
 MON=$(basename "$PAGEKUBE_MONITORING_BIN")
-if [ "$(cat "$OUT/monitoring.src" 2>/dev/null)" != "$MON" ]; then
+if [ "$(cat "$OUT/monitoring.src" 2>/dev/null)" != "$MON" ] || [ ! -f "$OUT/prometheus.tar" ]; then
   log "prometheus-operator $PROM_OP_TAG and prometheus $PROMETHEUS_TAG"
   tmp=$(mktemp -d) && mkdir "$tmp/bin"
   cp "$PAGEKUBE_MONITORING_BIN/operator" "$PAGEKUBE_MONITORING_BIN/prometheus-config-reloader" "$tmp/bin/"
