@@ -13,10 +13,10 @@ from e2e.node.test_real_node import (
     LONG,
     assert_all_finished,
     engine_pods,
-    lb_url,
+    engine_replicas,
     llmdeployment,
     ready,
-    routes,
+    routed_lb_url,
 )
 from e2e.waiting import wait_for
 
@@ -38,7 +38,7 @@ def scaled_llmdeployment(prometheus: str) -> dict:
 
 
 def replicas(node) -> int:
-    return int(node.kubectl("get", "deployment", f"{NAME}-engine", "-o", "jsonpath={.spec.replicas}").stdout or 0)
+    return engine_replicas(node, NAME)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +52,7 @@ def scaled(node, operator_release, model_claim, keda):
                  what="one ready engine pod", interval=2)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{node.diagnostics()}") from None
-    url = lb_url(node, NAME)
-    wait_for(lambda: routes(url), timeout=30, what="NGINX routing to the engine", interval=0.5)
-    yield url
+    yield routed_lb_url(node, NAME)
     node.kubectl("delete", "llmd", NAME, "--wait=true", "--timeout=300s", timeout=320)
 
 

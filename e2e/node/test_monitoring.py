@@ -16,9 +16,8 @@ from e2e.node.test_real_node import (
     assert_all_finished,
     condition,
     engine_pods,
-    lb_url,
     llmdeployment,
-    routes,
+    routed_lb_url,
 )
 from e2e.waiting import wait_for
 from pagekube.operator.spec import ALERTS
@@ -47,9 +46,7 @@ def watched(node, operator_release, model_claim, prometheus):
                  what="Ready=True", interval=2)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{node.diagnostics()}") from None
-    url = lb_url(node, NAME)
-    wait_for(lambda: routes(url), timeout=30, what="NGINX routing to the engine", interval=0.5)
-    yield url
+    yield routed_lb_url(node, NAME)
     node.kubectl("delete", "llmd", NAME, "--wait=true", "--timeout=300s", timeout=320)
 
 

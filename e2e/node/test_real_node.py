@@ -78,6 +78,18 @@ def lb_url(node, name: str = NAME) -> str:
     return f"http://{ip}/v1"
 
 
+def routed_lb_url(node, name: str) -> str:
+    """lb_url, once NGINX routes to the engine (it learns the pods' addresses on its next resolve)."""
+    url = lb_url(node, name)
+    wait_for(lambda: routes(url), timeout=30, what="NGINX routing to the engine", interval=0.5)
+    return url
+
+
+def engine_replicas(node, name: str) -> int:
+    """The engine Deployment's desired replicas (what KEDA's HPA, or KEDA itself from zero, last wrote)."""
+    return int(node.kubectl("get", "deployment", f"{name}-engine", "-o", "jsonpath={.spec.replicas}").stdout or 0)
+
+
 def pod_metric(pod: dict, name: str) -> float:
     """One sample of an engine pod's /metrics, read from inside the node's network namespace."""
     out = subprocess.run(in_netns("curl", "-s", f"http://{pod['status']['podIP']}:8000/metrics"),

@@ -19,6 +19,7 @@ from e2e.node.test_real_node import (
     assert_all_finished,
     component_pods,
     engine_pods,
+    engine_replicas,
     llmdeployment,
     ready,
     routes,
@@ -51,7 +52,7 @@ def http_status(url: str) -> int:
 
 
 def replicas(node) -> int:
-    return int(node.kubectl("get", "deployment", f"{NAME}-engine", "-o", "jsonpath={.spec.replicas}").stdout or 0)
+    return engine_replicas(node, NAME)
 
 
 @pytest.fixture(scope="module")
