@@ -1,5 +1,6 @@
-"""The CPU extension against its references: the bf16 linear vs float32 linear; paged decode attention and the fused
-small ops (RMSNorm, SiLU-and-mul, RoPE with the cache write) vs the torch path the engine runs without them."""
+"""The CPU extension against its references: the bf16 linear vs float32 linear, and each of its rows the same whatever
+the rows beside it; paged decode attention and the fused small ops (RMSNorm, SiLU-and-mul, RoPE with the cache write)
+vs the torch path the engine runs without them."""
 
 import shutil
 
@@ -33,7 +34,8 @@ def test_kernels_run_on_torchs_threads(kernel):
     assert b"GOMP_parallel" in library and b"libgomp.so" in library
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 17])  # every unrolled block size, and several passes
+# every streamed block size, several passes; past 8 the tiles: 3 rows and a remainder of 1 or 2, a pass of 192 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 17, 34, 200])
 @pytest.mark.parametrize("k", [32, 100, 576])  # a full vector, a masked tail, the bundled model's hidden size
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float32_linear(kernel, rows, k, with_bias):
@@ -57,13 +59,29 @@ def test_rejects_other_dtypes(kernel):
         kernel(torch.randn(1, 32), torch.randn(8, 32), None)
 
 
-def test_linear_uses_the_kernel_only_for_small_bf16_batches(kernel):
+@pytest.mark.parametrize("k", [32, 100, 576, 1536])
+@pytest.mark.parametrize("n", [67, 96])  # weight groups of 16 and a remainder; tiles of 4 weight rows and of 3
+def test_no_row_depends_on_the_rows_beside_it(kernel, k, n):
+    """Streamed (up to 8 rows) or tiled (past 8), every output is added up in one order (dot_order.h): a row alone,
+    at the head or the tail of a batch, and in a batch of 300 gives the same bits."""
+    torch.manual_seed(k + n)
+    x, w, b = torch.randn(300, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    everything = kernel(x, w, b)
+    for rows in (1, 2, 8, 9, 10, 11, 33, 193):
+        assert torch.equal(kernel(x[:rows], w, b), everything[:rows]), rows
+        assert torch.equal(kernel(x[-rows:], w, b), everything[-rows:]), rows
+
+
+def test_linear_takes_the_kernel_at_every_row_count_unless_batch_invariance_is_off(kernel):
     w = torch.randn(40, 96).bfloat16()
     small, large = torch.randn(cpu_ops.MAX_ROWS, 96).bfloat16(), torch.randn(cpu_ops.MAX_ROWS + 1, 96).bfloat16()
     kernels = cpu_ops.CpuKernels(linear=True, q4=True, fused=True, decode_attention=True)  # a CPU without AMX
-    assert kernels.takes_linear(small) and not kernels.takes_linear(large)
-    assert torch.equal(kernels.matmul(small, w), kernel(small, w, None))
-    assert torch.equal(kernels.matmul(large, w), F.linear(large, w))
+    assert kernels.takes_linear(small) and kernels.takes_linear(large)
+    assert torch.equal(kernels.matmul(large, w), kernel(large, w, None))
+    fast = cpu_ops.CpuKernels(linear=True, q4=True, batch_invariant=False)  # VLLM_BATCH_INVARIANT=0
+    assert fast.takes_linear(small) and not fast.takes_linear(large)
+    assert torch.equal(fast.matmul(small, w), kernel(small, w, None))
+    assert torch.equal(fast.matmul(large, w), F.linear(large, w))
     # Chosen once per model: float32 models (or other devices) get none of the kernels; AMX where the CPU has it.
     assert cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.float32, head_dim=64) == cpu_ops.NO_KERNELS
     assert not cpu_ops.CpuKernels.for_model(torch.device("cpu"), torch.bfloat16, head_dim=72).decode_attention
@@ -237,7 +255,7 @@ def test_engine_uses_the_kernels_in_bf16_and_stays_close_to_float32(bundled_dir)
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
     bf16 = LLM(str(bundled_dir), dtype="bfloat16", kv_cache_memory=64 * 1024**2)
-    names = ["linear", "q4"] + ["amx", "batch_invariant"] * cpu_ops.cpu_supports_amx() + ["fused", "decode_attention"]
+    names = ["linear", "q4"] + ["amx"] * cpu_ops.cpu_supports_amx() + ["batch_invariant", "fused", "decode_attention"]
     assert cpu_ops.loaded() and bf16.engine.runner.kernels.names == names
     got = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
     f32 = LLM(str(bundled_dir), dtype="float32", kv_cache_memory=64 * 1024**2)

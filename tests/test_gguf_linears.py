@@ -82,15 +82,20 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(amx):
         assert torch.equal(cpu_ops.q4_linear(x[-rows:], w, amx=amx), everything[-rows:]), rows
 
 
-@needs_amx
-def test_the_amx_kernel_over_the_blocks_equals_it_over_the_bf16_weights():
-    """The same values in the same order: the Q4_1 blocks and the bf16 copy give identical results on AMX, so a model
-    with blocks and one without (tensor parallelism, the bf16 lm_head) add up the same way."""
+@needs_kernel
+@BOTH_KERNELS
+@pytest.mark.parametrize("rows", [1, 8, 37])  # AVX-512: streamed and tiled
+def test_the_kernel_over_the_blocks_equals_it_over_the_bf16_weights(amx, rows):
+    """The same values in the same order: the Q4_1 blocks and the bf16 copy give identical results, so a model with
+    blocks and one without (a Linear whose tensor-parallel cut splits a block pair, the bf16 lm_head) add up the
+    same way."""
     assert cpu_ops.load_cpu_kernels()
     w = gguf_linears.pack(random_q4_1(64, 1536, seed=7))
-    x, b = torch.randn(37, 1536).bfloat16(), torch.randn(64).bfloat16()
-    from_blocks = cpu_ops.q4_linear(x, w, b, amx=True)
-    from_weights = torch.ops.pagekube_cpu.bf16_amx_linear(x, gguf_linears.unpack(w).bfloat16(), b)
+    x, b = torch.randn(rows, 1536).bfloat16(), torch.randn(64).bfloat16()
+    from_blocks = cpu_ops.q4_linear(x, w, b, amx=amx)
+    bf16_weights = gguf_linears.unpack(w).bfloat16()
+    from_weights = (torch.ops.pagekube_cpu.bf16_amx_linear if amx else torch.ops.pagekube_cpu.bf16_linear)(
+        x, bf16_weights, b)
     assert torch.equal(from_blocks, from_weights)
 
 
@@ -130,8 +135,8 @@ def test_extract_skips_a_tensor_whose_rows_do_not_match(bundled_dir):
 @needs_kernel
 def test_engine_reads_the_q4_blocks_and_gets_the_bf16_weights_results(bundled_dir):
     """In bf16, every fused Linear of the bundled model carries its Q4_1 blocks and reads them (AMX: up to
-    AMX_MAX_ROWS rows; AVX-512: up to MAX_ROWS). With AMX a layer's output through the blocks equals, bit for bit, its
-    output through the bf16 weights; without, the two differ only in the order the kernels add."""
+    AMX_MAX_ROWS rows; AVX-512: at every row count). A layer's output through the blocks equals, bit for bit, its
+    output through the bf16 weights."""
     from pagekube.engine import LLM
 
     llm = LLM(str(bundled_dir), dtype="bfloat16", kv_cache_memory=32 * 1024**2)
@@ -140,16 +145,18 @@ def test_engine_reads_the_q4_blocks_and_gets_the_bf16_weights_results(bundled_di
     assert len(linears) == 4 * 30 and all(m.q4 is not None for m in linears)  # qkv, o, gate_up, down
     layer = model.model.layers[0].mlp.gate_up_proj
     assert layer.kernels.q4 and llm.engine.runner.kernels == layer.kernels  # one choice for the whole model
-    limit = cpu_ops.AMX_MAX_ROWS if layer.kernels.amx else cpu_ops.MAX_ROWS
-    x = torch.randn(limit + 1, layer.in_features).bfloat16()
+    limit = cpu_ops.AMX_MAX_ROWS if layer.kernels.amx else None  # past it, torch's AMX GEMM over the bf16 weights
+    sizes = [1, 3, cpu_ops.MAX_ROWS + 1] + ([limit, limit + 1] if limit else [300])
+    x = torch.randn(max(sizes), layer.in_features).bfloat16()
     q4_calls = []
     real_q4 = cpu_ops.q4_linear
     cpu_ops.q4_linear = lambda *a, **k: q4_calls.append(a[0].shape[0]) or real_q4(*a, **k)
     try:
-        layer(x[:1]), layer(x[:3]), layer(x[:limit]), layer(x)
+        for rows in sizes:
+            layer(x[:rows])
     finally:
         cpu_ops.q4_linear = real_q4
-    assert q4_calls == [1, 3, limit]  # the blocks up to the limit, torch's GEMM over the bf16 weights past it
+    assert q4_calls == [rows for rows in sizes if limit is None or rows <= limit]
     hidden = torch.randn(3, model.config.hidden_size).bfloat16()
     with torch.no_grad():
         blocks = model.model.layers[3].mlp(hidden.clone())
@@ -158,10 +165,7 @@ def test_engine_reads_the_q4_blocks_and_gets_the_bf16_weights_results(bundled_di
         weights = model.model.layers[3].mlp(hidden.clone())
         for m in linears:
             m.q4 = m.saved
-    if layer.kernels.amx:
-        assert torch.equal(blocks, weights)
-    else:
-        torch.testing.assert_close(blocks.float(), weights.float(), rtol=0.02, atol=0.02)
+    assert torch.equal(blocks, weights)
 
 
 @pytest.mark.parametrize("tp, pp", [(3, 1), (1, 2), (3, 2)], ids=["tp3", "pp2", "tp3-pp2"])

@@ -1,5 +1,6 @@
-"""The CPU extension: the small-batch linears over bf16 weights (bf16_linear.cpp) and over GGUF Q4_1 blocks
-(q4_linear.cpp), the same linears on AMX tiles at any row count (amx_linear.cpp), paged decode attention
+"""The CPU extension: the AVX-512 linears over bf16 weights (bf16_linear.cpp) and over GGUF Q4_1 blocks
+(q4_linear.cpp), both adding up in one order at any row count (dot_order.h), the same linears on AMX tiles
+(amx_linear.cpp), paged decode attention
 (paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp: RMSNorm with the residual add, SiLU-and-mul,
 RoPE with the KV write). A second, smaller extension (int_linear.cpp) holds the quantized checkpoints' linear:
 it needs only AVX2, so it is built apart.
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # measured crossover with torch's bf16 GEMM (docs/benchmarks.md): above it, torch is as fast or faster
+# Without batch invariance (VLLM_BATCH_INVARIANT=0) and without AMX, torch's GEMM takes steps of more rows than this.
+MAX_ROWS = 8
 # Where AMX runs the linears: one kernel from one row to AMX_MAX_ROWS (faster than torch's GEMM up to about there,
 # bench/cpu_linears.py), and past it torch's own AMX GEMM, which adds in the same order (docs/architecture.md).
 AMX_MAX_ROWS = 1024
@@ -44,8 +46,9 @@ def cpu_supports_amx() -> bool:
 
 
 def batch_invariant() -> bool:
-    """vLLM's switch, here on by default: VLLM_BATCH_INVARIANT=0 gives up batch invariance on AMX CPUs for faster
-    steps of a few rows (the AVX-512 kernels up to AVX512_ROWS_BEFORE_AMX: docs/operations.md)."""
+    """vLLM's switch, here on by default: VLLM_BATCH_INVARIANT=0 gives up batch invariance for speed, on AMX CPUs
+    in steps of a few rows (the AVX-512 kernels up to AVX512_ROWS_BEFORE_AMX), on others in steps of more than
+    MAX_ROWS (torch's GEMM: docs/operations.md)."""
     return os.environ.get("VLLM_BATCH_INVARIANT", "1") != "0"
 
 
@@ -113,12 +116,14 @@ class CpuKernels:
     loaded: all of them; otherwise none; a benchmark may turn one off), so a layer's call checks only what varies
     per call: how many rows it has."""
 
-    linear: bool = False  # bf16 linears at up to MAX_ROWS rows
-    q4: bool = False  # a GGUF's Q4_1 blocks at up to MAX_ROWS rows, for Linears that have them
+    # The AVX-512 linears over bf16 weights and over a GGUF's Q4_1 blocks (for Linears that have them): at every row
+    # count where batch invariant (one order of addition whatever the step holds), else up to MAX_ROWS.
+    linear: bool = False
+    q4: bool = False
     # Every linear (Q4_1 blocks or bf16) on AMX tiles at up to AMX_MAX_ROWS rows, in place of both: a row's result
     # then does not depend on how many rows its step has (batch invariance), at some cost in steps of one row.
     amx: bool = False
-    batch_invariant: bool = True  # False: the AVX-512 kernels keep steps of up to AVX512_ROWS_BEFORE_AMX rows
+    batch_invariant: bool = True  # False: faster steps, whose rows' results depend on the rows beside them
     fused: bool = False  # RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write
     decode_attention: bool = False  # paged decode attention, reading K/V in place
     int_linear: bool = False  # a quantized checkpoint's int4/int8/FP8 Linears (int_linear.cpp: AVX2, any dtype)
@@ -132,23 +137,27 @@ class CpuKernels:
 
     @property
     def names(self) -> list[str]:
-        """The kernels in use, for /version and pagekube:kernels_info ("batch_invariant" only where AMX makes it so)."""
-        return [name for name, on in vars(self).items() if on and (name != "batch_invariant" or self.amx)]
+        """The kernels in use, for /version and pagekube:kernels_info ("batch_invariant" only where the linears make
+        it so)."""
+        return [name for name, on in vars(self).items() if on and (name != "batch_invariant" or self.linear)]
 
     def takes_linear(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= (AMX_MAX_ROWS if self.amx else MAX_ROWS if self.linear else 0)
+        if self.amx:
+            return x.shape[0] <= AMX_MAX_ROWS
+        return self.linear and (self.batch_invariant or x.shape[0] <= MAX_ROWS)
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, q4=None):
         """x @ weight.T (+ bias). With AMX: the Q4_1 blocks (when given) or the bf16 weights on AMX tiles up to
-        AMX_MAX_ROWS. Without: the Q4_1 blocks or the bf16 kernel up to MAX_ROWS. Torch above (measured
-        crossovers, docs/benchmarks.md). The Q4_1 kernels compute with the bf16 weights' exact values."""
+        AMX_MAX_ROWS, torch's AMX GEMM above (the same order of addition). Without: the Q4_1 blocks or the bf16
+        kernel at every row count (up to MAX_ROWS without batch invariance, torch above). The Q4_1 kernels compute
+        with the bf16 weights' exact values, in the bf16 kernels' order."""
         rows = x.shape[0]
         if self.amx and rows <= AMX_MAX_ROWS and (self.batch_invariant or rows > AVX512_ROWS_BEFORE_AMX):
             if q4 is not None:
                 return q4_linear(x, q4, bias, amx=True)
             if weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0:
                 return torch.ops.pagekube_cpu.bf16_amx_linear(x, weight, bias)
-        if rows <= MAX_ROWS:
+        if rows <= MAX_ROWS or (self.batch_invariant and not self.amx):
             if q4 is not None and self.q4:
                 return q4_linear(x, q4, bias)
             if self.linear:

@@ -1,13 +1,18 @@
 // Small-batch linear over weights kept in GGUF's Q4_1 blocks (w = d*q + m per 32 weights, q in 0..15), for CPUs
 // with AVX512_BF16: y = x @ w.T (+ bias), x and y bf16, float accumulation. A decode step at a few sequences is
 // bound by reading the weights, and Q4_1 is 0.625 bytes per weight against bf16's 2. The weights are the bf16 copy's
-// (q4_blocks.h), looked up per block and fed straight into dpbf16. Each row of x is computed the same way whatever
-// the number of rows, so a row's result does not depend on its batch. K is a multiple of 64.
+// (q4_blocks.h), looked up per block and fed straight into dpbf16 up to 8 rows of x; past 8, 16 weight rows at a time
+// are dequantized into a per-thread buffer and multiplied as bf16 weights in register tiles. Every output is added up
+// in dot_order.h's order, the bf16 kernel's, so a row's result depends neither on its batch nor on which of the two
+// kernels (blocks or bf16 copy) computed it. K is a multiple of 64.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <vector>
+
+#include "dot_order.h"
 #include "q4_blocks.h"
 #include "row_blocks.h"
 
@@ -38,7 +43,24 @@ void q4_row(const uint16_t* x, const uint8_t* qs, const uint16_t* dh, const uint
   }
   const float bn = bias ? static_cast<float>(bias[n]) : 0.f;
   for (int i = 0; i < MB; ++i)
-    y[(m0 + i) * N + n] = at::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + bn);
+    y[(m0 + i) * N + n] = at::BFloat16(pagekube_dot::sum16(_mm512_add_ps(acc[i][0], acc[i][1])) + bn);
+}
+
+// Weight rows [n, n + count) dequantized to bf16 into `out` (count rows of K).
+void dequantize_rows(const uint8_t* qs, const uint16_t* dh, const uint16_t* mh, int64_t K, int64_t n, int64_t count,
+                     uint16_t* out) {
+  const int64_t KB = K / 32;
+  float d[kMaxBlocks], mn[kMaxBlocks];
+  for (int64_t r = 0; r < count; ++r) {
+    pagekube_q4::scales(dh + (n + r) * KB, mh + (n + r) * KB, KB, d, mn);
+    const uint8_t* qr = qs + (n + r) * (K / 2);
+    for (int64_t p = 0; p < K / 64; ++p) {
+      __m512bh lo, hi;
+      pagekube_q4::dequantize64(qr + 32 * p, d[2 * p], mn[2 * p], d[2 * p + 1], mn[2 * p + 1], lo, hi);
+      _mm512_storeu_si512(out + r * K + 64 * p, (__m512i)lo);
+      _mm512_storeu_si512(out + r * K + 64 * p + 32, (__m512i)hi);
+    }
+  }
 }
 
 template <int MB>
@@ -69,6 +91,15 @@ at::Tensor q4_1_linear(const at::Tensor& input, const at::Tensor& qs, const at::
     return y;
   }
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (M > pagekube_dot::kStreamRows) {
+      thread_local std::vector<uint16_t> buffer;
+      buffer.resize(pagekube_dot::kGroup * K);
+      pagekube_dot::tiled_linear(xp, M, K, N, n0, n1, [&](int64_t n, int64_t count) {
+        dequantize_rows(qp, dp, mp, K, n, count, buffer.data());
+        return static_cast<const uint16_t*>(buffer.data());
+      }, bp, yp);
+      return;
+    }
     pagekube_rows::for_row_blocks(M, [&](auto mb, int64_t m) {
       q4_rows<decltype(mb)::value>(xp, qp, dp, mp, bp, yp, K, N, n0, n1, m);
     });
