@@ -1,8 +1,9 @@
 """The bundled model's linears (all 210, as stored) at a few rows: the Q4_1 blocks through the AVX-512 kernel and
 through the AMX one, the bf16 weights through the bf16 kernel, the AMX one and torch's GEMM, taking turns in one
-process; then decode steps of the engine at 1 and 32 sequences with AMX on (every row count through one kernel:
-batch invariance) and off (the Q4_1 AVX-512 kernel up to 8 rows, torch above), alternating every 16 steps. Prints
-milliseconds per pass over all the linears, and per step. Without AMX, its columns and steps are left out.
+process; then decode steps of the engine at 1 and 32 sequences batch invariant (AMX where the CPU has it, else the
+AVX-512 kernels, at every row count) and not (VLLM_BATCH_INVARIANT=0's dispatch: the AVX-512 kernels up to 8 rows,
+torch above), alternating every 16 steps. Prints milliseconds per pass over all the linears, and per step. Without
+AMX, its columns are left out.
 
     .venv/bin/python bench/cpu_linears.py --rows 1 2 4 8 16 32 64 256 1024 --steps 128
 """
@@ -49,9 +50,8 @@ def linears(rows: list[int], reps: int) -> None:
     for m in rows:
         xs = {k: torch.randn(m, k).bfloat16() for k in {w.shape[1] for w in bf16}}
         times: dict[str, list[float]] = {name: [] for name in ways}
-        small = {name: run for name, run in ways.items() if m <= 64 or "kernel" not in name}  # those crawl past it
         for _ in range(reps):
-            for name, run in small.items():
+            for name, run in ways.items():
                 start = time.perf_counter()
                 for i, w in enumerate(bf16):
                     run(xs[w.shape[1]], i)
@@ -67,10 +67,10 @@ def engine_step(sequences: int, steps: int, switch_every: int = 16) -> None:
     for _ in range(4):
         engine.step()
     model, on = engine.runner.model, engine.runner.kernels
-    off = dataclasses.replace(on, amx=False)
-    ms = alternate(engine, steps, lambda amx: use_kernels(model, on if amx else off), switch_every)
+    off = dataclasses.replace(on, amx=False, batch_invariant=False)
+    ms = alternate(engine, steps, lambda invariant: use_kernels(model, on if invariant else off), switch_every)
     engine.close()
-    print(f"{sequences} sequences, decode step: amx on {ms['on']:.2f} ms, amx off {ms['off']:.2f} ms")
+    print(f"{sequences} sequences, decode step: batch invariant {ms['on']:.2f} ms, not {ms['off']:.2f} ms")
 
 
 def main() -> None:
@@ -85,9 +85,8 @@ def main() -> None:
     if not cpu_ops.load_cpu_kernels():
         raise SystemExit("the CPU extension is not available here (needs AVX512_BF16 and a C++ compiler)")
     linears(args.rows, args.reps)
-    if cpu_ops.cpu_supports_amx():
-        for sequences in (1, 32):
-            engine_step(sequences, args.steps)
+    for sequences in (1, 32):
+        engine_step(sequences, args.steps)
 
 
 if __name__ == "__main__":

@@ -107,9 +107,16 @@ def test_cpu_linears_benchmark_smoke():
     out = subprocess.run([sys.executable, str(REPO / "bench/cpu_linears.py"), "--smoke"],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "1 rows: q4_1 kernel" in out.stdout, out.stdout
-    if cpu_ops.cpu_supports_amx():
-        assert "q4_1 amx" in out.stdout and "32 sequences, decode step: amx on" in out.stdout, out.stdout
+    assert "1 rows: q4_1 kernel" in out.stdout and "32 sequences, decode step: batch invariant" in out.stdout
+    assert ("q4_1 amx" in out.stdout) == cpu_ops.cpu_supports_amx(), out.stdout
+
+
+def test_batch_invariance_benchmark_smoke():
+    out = subprocess.run([sys.executable, str(REPO / "bench/batch_invariance.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("| batch of 3 |", "| prefix-cache hit |"))]
+    assert len(rows) == 2 and all(line.split("|")[2].strip().isdigit() for line in rows), out.stdout
 
 
 def test_step_profile_benchmark_smoke():

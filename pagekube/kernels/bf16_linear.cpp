@@ -40,7 +40,7 @@ void row(const uint16_t* x, const uint16_t* w, const at::BFloat16* bias, at::BFl
   }
   const float b = bias ? static_cast<float>(bias[n]) : 0.f;
   for (int i = 0; i < MB; ++i)
-    y[(m + i) * N + n] = at::BFloat16(pagekube_dot::sum16(_mm512_add_ps(acc[i][0], acc[i][1])) + b);
+    y[(m + i) * N + n] = pagekube_dot::to_bf16(pagekube_dot::sum16(_mm512_add_ps(acc[i][0], acc[i][1])) + b);
 }
 
 template <int MB>

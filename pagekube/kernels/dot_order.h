@@ -4,7 +4,7 @@
 // Output y[m][n] = x[m] . w[n]: two float accumulators of 16 lanes, the first taking columns [64p, 64p + 32) and the
 // second [64p + 32, 64p + 64) by dpbf16 for p = 0, 1, ... in turn (a last partial chunk of 32, masked, into the
 // first); then first + second; then the 16 lanes summed as a tree (lane i + lane i+8, then i + i+4, i + i+2, i + i+1);
-// then the bias; then one rounding to bf16.
+// then the bias; then one rounding to bf16 (vcvtneps2bf16).
 //
 // Up to 8 rows the kernels stream each weight row once and sum each output on its own (sum16). Past that they run
 // this file's tiles: 3 rows of x against 4 weight rows (24 accumulators in registers), the accumulators stored and
@@ -48,6 +48,13 @@ inline __m512 sum16x16(const float* v) {  // v: 16 vectors of 16 floats
   const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                     _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+
+// One float to bf16 by the instruction the tiles' stores use (vcvtneps2bf16: nearest even, denormals flushed), so a
+// streamed output and a tiled one round alike.
+inline at::BFloat16 to_bf16(float v) {
+  const __m128i h = (__m128i)_mm_cvtneps_pbh(_mm_set_ss(v));
+  return at::BFloat16(static_cast<uint16_t>(_mm_extract_epi16(h, 0)), at::BFloat16::from_bits());
 }
 
 inline __mmask32 tail_mask(int64_t left) { return left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1); }
@@ -103,7 +110,6 @@ template <typename WeightRows>
 void tiled_linear(const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, WeightRows&& weight_rows,
                   const at::BFloat16* bias, at::BFloat16* y) {
   alignas(64) float sums[3 * 256] = {};
-  alignas(64) float out[16];
   for (int64_t mc = 0; mc < M; mc += kRowChunk) {
     const int64_t mend = std::min(M, mc + kRowChunk);
     for (int64_t n = n0; n < n1; n += kGroup) {
@@ -114,11 +120,12 @@ void tiled_linear(const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n0
         if (rows == 3) tiles<3>(x + m * K, w, K, count, sums);
         else if (rows == 2) tiles<2>(x + m * K, w, K, count, sums);
         else tiles<1>(x + m * K, w, K, count, sums);
-        for (int64_t i = 0; i < rows; ++i) {
-          _mm512_store_ps(out, sum16x16(sums + i * 256));
-          for (int64_t j = 0; j < count; ++j)
-            y[(m + i) * N + n + j] = at::BFloat16(out[j] + (bias ? static_cast<float>(bias[n + j]) : 0.f));
-        }
+        const __mmask16 columns = static_cast<__mmask16>((1u << count) - 1);
+        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_maskz_loadu_epi16(columns, bias + n)), 16)) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < rows; ++i)
+          _mm256_mask_storeu_epi16(y + (m + i) * N + n, columns,
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum16x16(sums + i * 256), b)));
       }
     }
   }

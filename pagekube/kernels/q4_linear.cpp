@@ -43,7 +43,7 @@ void q4_row(const uint16_t* x, const uint8_t* qs, const uint16_t* dh, const uint
   }
   const float bn = bias ? static_cast<float>(bias[n]) : 0.f;
   for (int i = 0; i < MB; ++i)
-    y[(m0 + i) * N + n] = at::BFloat16(pagekube_dot::sum16(_mm512_add_ps(acc[i][0], acc[i][1])) + bn);
+    y[(m0 + i) * N + n] = pagekube_dot::to_bf16(pagekube_dot::sum16(_mm512_add_ps(acc[i][0], acc[i][1])) + bn);
 }
 
 // Weight rows [n, n + count) dequantized to bf16 into `out` (count rows of K).
