@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 
 class Tally:
-    """Wraps a torch.distributed call (all_reduce, send, ...) in this process: calls, bytes, seconds."""
+    """Wraps a torch.distributed call (all_reduce, all_gather, send, ...) in this process: calls, bytes, seconds."""
 
     def __init__(self, name: str):
         self.name, self.calls, self.bytes, self.seconds = name, 0, 0, 0.0
@@ -21,7 +21,8 @@ class Tally:
         out = self.inner(tensor, *args, **kwargs)
         self.seconds += time.perf_counter() - start
         self.calls += 1
-        self.bytes += tensor.numel() * tensor.element_size()
+        parts = tensor if isinstance(tensor, list) else [tensor]  # all_gather's first argument: the outputs
+        self.bytes += sum(t.numel() * t.element_size() for t in parts)
         return out
 
     def restore(self) -> None:

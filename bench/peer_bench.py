@@ -161,17 +161,19 @@ def table(rows: list[dict], levels: list[int]) -> str:
         return next(r for r in rows if r["mode"] == name and r["concurrency"] == c)
 
     lo, hi = levels[0], levels[-1]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    peers = [p for p in PEERS if p in modes] + [m for m in modes if m not in PEERS and m != "pagekube"]
     head = " | ".join(f"C={c}" for c in levels)
     out = [f"| server | {head} | ITL p50 at C={lo} / C={hi} | ITL p99 at C={hi} | TTFT p99 at C={hi} |",
            "|---" * (len(levels) + 4) + "|"]
-    for name in (*PEERS, "pagekube"):
-        if not any(r["mode"] == name for r in rows):
+    for name in (*peers, "pagekube"):
+        if name not in modes:
             continue
         tps = " | ".join(f"{at(name, c)['tok_s']:.1f}" for c in levels)
         out.append(f"| {name} | {tps} | {at(name, lo)['itl_p50'] * 1e3:.0f} ms / {at(name, hi)['itl_p50'] * 1e3:.0f} ms"
                    f" | {at(name, hi)['itl_p99'] * 1e3:.0f} ms | {at(name, hi)['ttft_p99']:.1f} s |")
-    for peer in PEERS:
-        if any(r["mode"] == peer for r in rows) and any(r["mode"] == "pagekube" for r in rows):
+    for peer in peers:
+        if "pagekube" in modes:
             ratios = " | ".join(f"{at('pagekube', c)['tok_s'] / at(peer, c)['tok_s']:.2f}x" for c in levels)
             out.append(f"| pagekube / {peer} | {ratios} | | | |")
     return "\n".join(out)
@@ -204,7 +206,10 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="binary (default: the one build_llama_server.sh cached)")
     ap.add_argument("--vllm-python", default=None, help="vLLM's python (default: build_vllm_cpu.sh's, if installed)")
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM's CPU build out")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
     ap.add_argument("--pagekube-args", default="", help="extra `pagekube serve` flags, e.g. '--dtype bfloat16'")
+    ap.add_argument("--baseline-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="also serve a second pagekube with this environment (an A/B in the same run), as a peer")
     ap.add_argument("--out", default="docs/bench_peer", help="prefix for the .json results and the .png plot")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (a check that the script works)")
     args = ap.parse_args()
@@ -212,13 +217,17 @@ def main() -> None:
         args.concurrency, args.prompt_tokens, args.max_tokens, args.max_load = [2], 16, 8, 100.0
 
     binary = args.llama_server
-    if binary is None:
+    if binary is None and not args.no_llama_cpp:
         built = subprocess.run([str(REPO / "bench/build_llama_server.sh")], capture_output=True, text=True,
                                env={**os.environ, "PAGEKUBE_ONLY_IF_BUILT": "1" if args.smoke else ""})
         binary = built.stdout.strip() or None
     top = max(args.concurrency)
     servers = {"pagekube": ServerProcess("--max-num-seqs", str(top), "--disable-log-requests",
                                          *args.pagekube_args.split())}
+    if args.baseline_env:
+        env = dict(kv.split("=", 1) for kv in args.baseline_env)
+        servers["pagekube " + " ".join(args.baseline_env)] = ServerProcess(
+            "--max-num-seqs", str(top), "--disable-log-requests", *args.pagekube_args.split(), env=env)
     if binary:
         servers["llama.cpp"] = LlamaServer(binary, bundled_model_file(), top, args.prompt_tokens + args.max_tokens + 16)
     else:

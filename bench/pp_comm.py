@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dist_tally import StepTimer, Tally  # bench/ is on the path when a script here runs
 
-OPS = ("all_reduce", "broadcast", "gather", "send", "recv")
+OPS = ("all_reduce", "all_gather", "broadcast", "gather", "send", "recv")
 
 
 def measure(model: str, batch: int, max_tokens: int, reference: list, **parallel) -> dict:

@@ -46,7 +46,7 @@ def main() -> None:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]  # also warms up
         assert got == reference, "greedy output with tensor parallelism must equal one rank's"
         timer = StepTimer(llm.engine)
-        tallies = [Tally(n) for n in ("all_reduce", "broadcast", "gather")]
+        tallies = [Tally(n) for n in ("all_reduce", "all_gather", "broadcast", "gather")]
         llm.generate(prompts, params)
     finally:
         llm.close()

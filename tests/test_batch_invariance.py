@@ -92,3 +92,15 @@ def test_each_output_is_close_to_transformers_float32_by_vllms_rule(hf_model, pr
             if a != b:  # vLLM's check_logprobs_close: the first difference only, each in the other's top 5
                 assert a in out.scores[i][0].topk(5).indices.tolist() and b in top5(ours.logprobs[i]), (i, a, b)
                 break
+
+
+def test_under_tensor_parallelism_output_does_not_depend_on_the_batch(bundled_dir, prompts):
+    """Each rank's linears add in one order, and the all-reduce adds the ranks' parts in rank order whatever the
+    tensor's size (gloo's ring would cut it into chunks by size)."""
+    llm = engine(bundled_dir, tensor_parallel_size=3, enable_prefix_caching=False)
+    try:
+        alone = [llm.generate([p], GREEDY)[0].outputs[0] for p in prompts[:8]]
+        batch = [o.outputs[0] for o in llm.generate(prompts[:8], GREEDY)]
+    finally:
+        llm.close()
+    assert agree(batch, alone) == 8, agree(batch, alone)

@@ -53,9 +53,20 @@ def unsupported(hf_config, size: int) -> str | None:
 
 
 def all_reduce(x: torch.Tensor, shard: TPShard) -> torch.Tensor:
-    if shard.size > 1:
+    """The sum of every rank's x. On the CPU every rank gathers the parts and adds them in rank order in float32,
+    then rounds once: gloo's ring cuts the tensor into chunks by its size, so an element's parts would add up in an
+    order that depends on how many rows the step has (greedy bf16 output would depend on the batch)."""
+    if shard.size == 1:
+        return x
+    if x.device.type != "cpu":
         dist.all_reduce(x, group=shard.group)
-    return x
+        return x
+    parts = [torch.empty_like(x) for _ in range(shard.size)]
+    dist.all_gather(parts, x.contiguous(), group=shard.group)
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part
+    return total.to(x.dtype)
 
 
 def gather_logits(local: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tensor | None:
