@@ -102,7 +102,7 @@ void tiles(const uint16_t* x, const uint16_t* w, int64_t K, int64_t count, float
 }
 
 constexpr int64_t kGroup = 16;       // weight rows per group: one transposed sum per row of x
-constexpr int64_t kRowChunk = 192;   // rows of x per pass over the weights (kept in L2 while the groups go by)
+constexpr int64_t kChunkBytes = 512 * 1024;  // rows of x per pass over the weights: what stays in L2 while they go by
 
 // y rows [0, M), columns [n0, n1) (a thread's share). weight_rows(n, count) gives weight rows [n, n + count) as bf16
 // at a stride of K (in place, or dequantized into a buffer).
@@ -110,8 +110,9 @@ template <typename WeightRows>
 void tiled_linear(const uint16_t* x, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1, WeightRows&& weight_rows,
                   const at::BFloat16* bias, at::BFloat16* y) {
   alignas(64) float sums[3 * 256] = {};
-  for (int64_t mc = 0; mc < M; mc += kRowChunk) {
-    const int64_t mend = std::min(M, mc + kRowChunk);
+  const int64_t chunk = std::max<int64_t>(3, kChunkBytes / (2 * K) / 3 * 3);
+  for (int64_t mc = 0; mc < M; mc += chunk) {
+    const int64_t mend = std::min(M, mc + chunk);
     for (int64_t n = n0; n < n1; n += kGroup) {
       const int64_t count = std::min(kGroup, n1 - n);
       const uint16_t* w = weight_rows(n, count);
