@@ -1,4 +1,4 @@
-// Small-batch linear over weights kept in GGUF's Q4_1 blocks (w = d*q + m per 32 weights, q in 0..15), for CPUs
+// Linear over weights kept in GGUF's Q4_1 blocks (w = d*q + m per 32 weights, q in 0..15), for CPUs
 // with AVX512_BF16: y = x @ w.T (+ bias), x and y bf16, float accumulation. A decode step at a few sequences is
 // bound by reading the weights, and Q4_1 is 0.625 bytes per weight against bf16's 2. The weights are the bf16 copy's
 // (q4_blocks.h), looked up per block and fed straight into dpbf16 up to 8 rows of x; past 8, 16 weight rows at a time
