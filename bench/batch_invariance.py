@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
 
-from pagekube.engine import LLM, SamplingParams
-from pagekube.engine.model.model_files import resolve_model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagekube.engine import LLM, SamplingParams  # noqa: E402
+from pagekube.engine.model.model_files import resolve_model_dir  # noqa: E402
+from tests.logprobs_rule import hf_greedy, parting  # noqa: E402  (the rule the tests apply)
 
 QUESTIONS = ["What is the capital of Australia?", "Write a short poem about the sea.", "How do vaccines work?",
              "Name three primary colors.", "What is a prime number?", "Describe a cat in two sentences.",
@@ -40,20 +45,7 @@ def hf_rule(model_dir, prompts, ours, tokens: int) -> int:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    passed = 0
-    for ids, out in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, temperature=None,
-                              top_p=None, top_k=None, pad_token_id=2, output_scores=True,
-                              return_dict_in_generate=True)
-        theirs, ok = gen.sequences[0, len(ids):].tolist(), True
-        for i, (a, b) in enumerate(zip(out.token_ids, theirs)):
-            if a != b:
-                top = sorted(out.logprobs[i], key=out.logprobs[i].get, reverse=True)[:5]
-                ok = a in gen.scores[i][0].topk(5).indices.tolist() and b in top
-                break
-        passed += ok
-    return passed
+    return sum(parting(out, *hf_greedy(hf, ids, tokens)) is None for ids, out in zip(prompts, ours, strict=True))
 
 
 def main() -> None:

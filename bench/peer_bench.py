@@ -222,12 +222,11 @@ def main() -> None:
                                env={**os.environ, "PAGEKUBE_ONLY_IF_BUILT": "1" if args.smoke else ""})
         binary = built.stdout.strip() or None
     top = max(args.concurrency)
-    servers = {"pagekube": ServerProcess("--max-num-seqs", str(top), "--disable-log-requests",
-                                         *args.pagekube_args.split())}
+    flags = ["--max-num-seqs", str(top), "--disable-log-requests", *args.pagekube_args.split()]
+    servers = {"pagekube": ServerProcess(*flags)}
     if args.baseline_env:
         env = dict(kv.split("=", 1) for kv in args.baseline_env)
-        servers["pagekube " + " ".join(args.baseline_env)] = ServerProcess(
-            "--max-num-seqs", str(top), "--disable-log-requests", *args.pagekube_args.split(), env=env)
+        servers["pagekube " + " ".join(args.baseline_env)] = ServerProcess(*flags, env=env)
     if binary:
         servers["llama.cpp"] = LlamaServer(binary, bundled_model_file(), top, args.prompt_tokens + args.max_tokens + 16)
     else:

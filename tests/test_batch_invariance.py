@@ -1,14 +1,15 @@
 """Greedy output in the default dtype (bf16) does not depend on the batch: a request alone, in a batch of twelve, in a
 batch with twenty others, with n-gram speculation and after a prefix-cache hit gives the same tokens, because every
 row's linears add up in one order (AMX tiles, or the AVX-512 kernels' dot_order.h) and a generated token's attention
-goes through the decode kernel, whatever the step holds (docs/architecture.md, "Batch invariance"). Each output also passes vLLM's check_logprobs_close rule
-against transformers in float32: at the first token where they part, each one is in the other's top 5."""
+goes through the decode kernel, whatever the step holds (docs/architecture.md, "Batch invariance"). Each output also
+passes vLLM's check_logprobs_close rule against transformers in float32: at the first token where they part, each
+one is in the other's top 5."""
 
 import pytest
-import torch
 
 from pagekube.engine import LLM, SamplingParams
 from pagekube.kernels import cpu_ops
+from tests.logprobs_rule import hf_greedy, parting
 
 pytestmark = pytest.mark.skipif(not cpu_ops.cpu_supports_bf16_dot(),
                                 reason="bf16 is the default dtype only with AVX512_BF16 (docs/architecture.md)")
@@ -77,21 +78,9 @@ def test_a_prefix_cache_hit_changes_no_output(bundled_dir, prompts, alone):
     assert hits > 0 and agree(first, alone) >= 11 and agree(again, alone) >= 11, (hits, agree(again, alone))
 
 
-def top5(logprobs: dict) -> set[int]:
-    return set(sorted(logprobs, key=logprobs.get, reverse=True)[:5])
-
-
 def test_each_output_is_close_to_transformers_float32_by_vllms_rule(hf_model, prompts, alone):
     for ids, ours in zip(prompts[:12], alone, strict=True):
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, temperature=None,
-                                    top_p=None, top_k=None, pad_token_id=2, output_scores=True,
-                                    return_dict_in_generate=True)
-        theirs = out.sequences[0, len(ids):].tolist()
-        for i, (a, b) in enumerate(zip(ours.token_ids, theirs)):
-            if a != b:  # vLLM's check_logprobs_close: the first difference only, each in the other's top 5
-                assert a in out.scores[i][0].topk(5).indices.tolist() and b in top5(ours.logprobs[i]), (i, a, b)
-                break
+        assert parting(ours, *hf_greedy(hf_model, ids, TOKENS)) is None, ids
 
 
 def test_under_tensor_parallelism_output_does_not_depend_on_the_batch(bundled_dir, prompts):

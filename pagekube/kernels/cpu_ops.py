@@ -1,8 +1,7 @@
 """The CPU extension: the AVX-512 linears over bf16 weights (bf16_linear.cpp) and over GGUF Q4_1 blocks
 (q4_linear.cpp), both adding up in one order at any row count (dot_order.h), the same linears on AMX tiles
-(amx_linear.cpp), paged decode attention
-(paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp: RMSNorm with the residual add, SiLU-and-mul,
-RoPE with the KV write). A second, smaller extension (int_linear.cpp) holds the quantized checkpoints' linear:
+(amx_linear.cpp), paged decode attention (paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp:
+RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write). A second, smaller extension (int_linear.cpp) holds the quantized checkpoints' linear:
 it needs only AVX2, so it is built apart.
 
 Compiled on first use with torch.utils.cpp_extension into ~/.cache/pagekube/torch_extensions (about 15 s, once per
