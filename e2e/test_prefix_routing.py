@@ -77,9 +77,18 @@ def chat(lb: Nginx, tenant: int, question: str, max_tokens: int = 1):
         {"role": "system", "content": system_prompt(tenant)}, {"role": "user", "content": question}])
 
 
-def upstreams_served(lb: Nginx, since: int) -> list[str]:
-    """The engine address that answered each request logged after the first `since` lines."""
-    return [e["upstream"].split(" : ")[-1] for e in json_log_lines(lb.dir / "nginx.out")[since:]]
+def logged(lb: Nginx, since: int, count: int) -> list[dict]:
+    """The `count` access-log entries after the first `since` lines. NGINX writes a request's line after it has
+    sent the response, so the client can be done before the line is there: wait for it."""
+    entries = wait_for(lambda: json_log_lines(lb.dir / "nginx.out")[since:], lambda e: len(e) >= count, 10,
+                       what=f"{count} access-log lines")
+    assert len(entries) == count, entries
+    return entries
+
+
+def upstreams_served(lb: Nginx, since: int, count: int) -> list[str]:
+    """The engine address that answered each of the `count` requests logged after the first `since` lines."""
+    return [e["upstream"].split(" : ")[-1] for e in logged(lb, since, count)]
 
 
 def log_length(lb: Nginx) -> int:
@@ -118,7 +127,7 @@ def test_a_hot_prefix_spills_to_the_next_replica_at_its_connection_bound(engines
     with ThreadPoolExecutor(4) as pool:
         finishes = list(pool.map(stream, range(4)))
     assert finishes == [["length"]] * 4
-    entries = json_log_lines(lb.dir / "nginx.out")[start:]
+    entries = logged(lb, start, 4)
     assert [e["status"] for e in entries] == [200] * 4
     served = {e["upstream"].split(" : ")[-1] for e in entries}
     spilled = [e for e in entries if e["upstream"].startswith("engine_prefix")]
@@ -134,9 +143,7 @@ def test_a_removed_replica_moves_only_its_prefix_keys(engines, balancer):
         start = log_length(lb)
         for tenant in range(12):
             chat(lb, tenant, "Hello")
-        served = upstreams_served(lb, start)
-        assert len(served) == 12
-        return dict(enumerate(served))
+        return dict(enumerate(upstreams_served(lb, start, 12)))
 
     before = owners()
     leaving = f"127.0.0.1:{engines[2].port}"
@@ -163,7 +170,7 @@ def test_bodies_without_a_prefix_key_are_served_through_least_connections(engine
     assert no_prompt.status_code == 400 and "error" in no_prompt.json()
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     assert token_ids.status_code == 200
-    served = upstreams_served(lb, start)
+    served = upstreams_served(lb, start, 4)
     assert all(s.startswith("127.0.0.1:") for s in served), served
 
 
@@ -176,7 +183,7 @@ def test_a_drain_under_prefix_routing_loses_no_stream(engines, balancer, tmp_pat
         start = log_length(lb)
         for tenant in range(8):
             chat(lb, tenant, "Hello")
-        served = upstreams_served(lb, start)
+        served = upstreams_served(lb, start, 8)
         tenant = next(t for t, s in enumerate(served) if s == f"127.0.0.1:{leaving.port}")
 
         def stream(i):

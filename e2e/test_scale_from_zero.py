@@ -95,6 +95,8 @@ def cold_stack(tmp_path):
     for part in reversed(started):
         if isinstance(part, KedaStandIn):
             part.stop.set()
+            if part.is_alive():
+                part.join()  # before Prometheus stops under its query
         elif isinstance(part, subprocess.Popen):
             stop_process_group(part)
         else:
