@@ -40,8 +40,8 @@ def linears(rows: list[int], reps: int) -> None:
     names = sorted(k.removesuffix(".qs") for k in packed if k.endswith(".qs"))
     q4 = [gguf_linears.Q4Weight(*(packed[f"{n}.{p}"] for p in ("qs", "d", "m"))) for n in names]
     bf16 = [state[n].bfloat16() for n in names]
-    ways = {"q4_1 kernel": lambda x, i: cpu_ops.q4_linear(x, q4[i]),
-            "q4_1 amx": lambda x, i: cpu_ops.q4_linear(x, q4[i], amx=True),
+    ways = {"q4_1 kernel": lambda x, i: cpu_ops.gguf_linear(x, q4[i]),
+            "q4_1 amx": lambda x, i: cpu_ops.gguf_linear(x, q4[i], amx=True),
             "bf16 kernel": lambda x, i: torch.ops.pagekube_cpu.bf16_linear(x, bf16[i], None),
             "bf16 amx": lambda x, i: torch.ops.pagekube_cpu.bf16_amx_linear(x, bf16[i], None),
             "torch bf16": lambda x, i: F.linear(x, bf16[i])}

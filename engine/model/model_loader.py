@@ -96,7 +96,7 @@ def load_model(hf_config, model_dir: Path, dtype: torch.dtype, device: torch.dev
     if dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops.loaded() and not method:
         attached = gguf_linears.attach(model, model_dir)  # only the CPU extension reads them
         if attached:
-            log.info("%d linears also read from the GGUF's Q4_1 blocks by the CPU kernels", attached)
+            log.info("%d linears also read from the GGUF's blocks by the CPU kernels", attached)
     return model.eval()
 
 

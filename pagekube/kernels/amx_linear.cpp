@@ -3,8 +3,8 @@
 // tokens, so a row's result never depends on the rows beside it (the engine's batch invariance, docs/architecture.md).
 //
 // y = x @ w.T (+ bias) is computed transposed, tile C[n][m] = W[n] . x[m]: A tiles are 16 weight rows of 32 k (bf16
-// weights straight from memory; Q4_1 blocks dequantized into a per-thread buffer to the bf16 copy's values,
-// q4_blocks.h), B tiles are x's rows in AMX's pair layout. Every C element adds its K/32 tile products in the same
+// weights straight from memory; a GGUF's Q4_1 or Q8_0 blocks dequantized into a per-thread buffer to the bf16 copy's
+// values, gguf_blocks.h), B tiles are x's rows in AMX's pair layout. Every C element adds its K/32 tile products in the same
 // order whatever M is (torch's AMX GEMM, measured, adds in the same order: the numbers agree with F.linear's). Two
 // weight blocks and two blocks of x per pass (four C tiles), so each tile load feeds two products.
 #include <ATen/ATen.h>
@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "q4_blocks.h"
+#include "gguf_blocks.h"
 
 namespace pagekube_q4 {
 namespace {
@@ -88,30 +88,28 @@ struct Bf16Weights {
   int64_t stride() const { return 2 * K; }
 };
 
-// Q4_1 blocks: weight rows [n0, n0 + 32) dequantized into A tiles (zeros past N). With up to 32 rows of x (one pass)
-// each pair of k tiles goes into one of two 4 KB buffers (L1) while the pair before it multiplies; with more, the
-// whole block pair is dequantized once and every pair of x blocks reads it.
-struct Q4Weights {
-  const uint8_t* qs;
-  const uint16_t *dh, *mh;
-  int64_t K, N;
+// A GGUF's blocks (gguf_blocks.h: Q4_1 or Q8_0): weight rows [n0, n0 + 32) dequantized into A tiles (zeros past N).
+// With up to 32 rows of x (one pass) each pair of k tiles goes into one of two 4 KB buffers (L1) while the pair
+// before it multiplies; with more, the whole block pair is dequantized once and every pair of x blocks reads it.
+template <typename Format>
+struct BlockWeights {
+  const Format& f;
+  int64_t N;
   std::vector<uint16_t>& a;
-  float* d;  // [32][K/32] scales and minimums of the 32 rows, as float
-  float* m;
+  float* s;  // [32][2 K/32] the 32 rows' scales as float (Format::scales)
   int64_t n0 = 0;
   bool one_pass = true;
 
+  int64_t K() const { return f.K; }
   // Blocks 2p and 2p+1 of the 32 rows into `out`: block g's tile h at out + g * gstride + h * 512.
   void dequantize_pair(int64_t p, uint16_t* out, int64_t gstride) {
     for (int64_t r = 0; r < 32; ++r) {
       uint16_t* row = out + (r / 16) * gstride + (r % 16) * 32;
       __m512bh lo, hi;
       if (n0 + r < N) {
-        const uint8_t* q = qs + (n0 + r) * (K / 2) + 32 * p;
-        _mm_prefetch(reinterpret_cast<const char*>(q + 16 * K), _MM_HINT_T0);  // the next 32 rows' same bytes
-        const float* dr = d + r * (K / 32);
-        const float* mr = m + r * (K / 32);
-        dequantize64(q, dr[2 * p], mr[2 * p], dr[2 * p + 1], mr[2 * p + 1], lo, hi);
+        // the next 32 rows' same bytes
+        _mm_prefetch(reinterpret_cast<const char*>(f.bytes(n0 + r, p)) + 32 * f.row_bytes(), _MM_HINT_T0);
+        f.pair(n0 + r, p, s + r * 2 * (K() / 32), lo, hi);
       } else {
         lo = hi = (__m512bh)_mm512_setzero_si512();
       }
@@ -121,20 +119,19 @@ struct Q4Weights {
   }
   void begin(int64_t first_row, bool single_pass) {
     n0 = first_row, one_pass = single_pass;
-    const int64_t KB = K / 32;
-    for (int64_t r = 0; r < 32 && n0 + r < N; ++r) scales(dh + (n0 + r) * KB, mh + (n0 + r) * KB, KB, d + r * KB, m + r * KB);
+    for (int64_t r = 0; r < 32 && n0 + r < N; ++r) f.scales(n0 + r, s + r * 2 * (K() / 32));
     if (!one_pass)
-      for (int64_t p = 0; p < K / 64; ++p) dequantize_pair(p, a.data() + 2 * p * 512, K / 32 * 512);
+      for (int64_t p = 0; p < K() / 64; ++p) dequantize_pair(p, a.data() + 2 * p * 512, K() / 32 * 512);
     else
       dequantize_pair(0, a.data(), 2 * 512);
   }
   const uint16_t* tile(int64_t, int64_t t) {
     if (!one_pass) return a.data() + t * 512;
     const int64_t p = t / 2;
-    if (t % 2 == 0 && t + 2 < K / 32) dequantize_pair(p + 1, a.data() + (p + 1) % 2 * 4 * 512, 2 * 512);
+    if (t % 2 == 0 && t + 2 < K() / 32) dequantize_pair(p + 1, a.data() + (p + 1) % 2 * 4 * 512, 2 * 512);
     return a.data() + p % 2 * 4 * 512 + t % 2 * 512;
   }
-  int64_t block_offset() const { return one_pass ? 2 * 512 : K / 32 * 512; }
+  int64_t block_offset() const { return one_pass ? 2 * 512 : K() / 32 * 512; }
   int64_t stride() const { return 64; }
 };
 
@@ -218,23 +215,35 @@ at::Tensor bf16_amx_linear(const at::Tensor& input, const at::Tensor& weight, co
   return y;
 }
 
-}  // namespace
-
-void q4_amx_linear(const uint16_t* x, const uint8_t* qs, const uint16_t* dh, const uint16_t* mh,
-                   const at::BFloat16* bias, at::BFloat16* y, int64_t M, int64_t K, int64_t N) {
-  TORCH_CHECK(amx_ready(), "q4_1_linear: Linux refused this process the AMX tile state");
+template <typename Format>
+void block_amx_linear(const uint16_t* x, const Format& f, const at::BFloat16* bias, at::BFloat16* y, int64_t M,
+                      int64_t N) {
+  TORCH_CHECK(amx_ready(), "GGUF block linear: Linux refused this process the AMX tile state");
   if (M == 0) return;
+  const int64_t K = f.K;
   const std::vector<uint32_t> xt = pack_x(x, M, K);
   at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles(M);
     thread_local std::vector<uint16_t> a;
     thread_local std::vector<float> scale_buffer;
     a.resize(std::max<int64_t>(2 * K / 32 * 512, 8 * 512));
-    scale_buffer.resize(2 * 32 * (K / 32));
-    Q4Weights weights{qs, dh, mh, K, N, a, scale_buffer.data(), scale_buffer.data() + 32 * (K / 32)};
+    scale_buffer.resize(32 * 2 * (K / 32));
+    BlockWeights<Format> weights{f, N, a, scale_buffer.data()};
     multiply_all(weights, xt, bias, y, M, K, N, p0, p1);
     _tile_release();
   });
+}
+
+}  // namespace
+
+void q4_1_amx_linear(const uint16_t* x, const pagekube_blocks::Q4_1& w, const at::BFloat16* bias, at::BFloat16* y,
+                     int64_t M, int64_t N) {
+  block_amx_linear(x, w, bias, y, M, N);
+}
+
+void q8_0_amx_linear(const uint16_t* x, const pagekube_blocks::Q8_0& w, const at::BFloat16* bias, at::BFloat16* y,
+                     int64_t M, int64_t N) {
+  block_amx_linear(x, w, bias, y, M, N);
 }
 
 }  // namespace pagekube_q4

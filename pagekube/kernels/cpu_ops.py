@@ -1,5 +1,5 @@
-"""The CPU extension: the AVX-512 linears over bf16 weights (bf16_linear.cpp) and over GGUF Q4_1 blocks
-(q4_linear.cpp), both adding up in one order at any row count (dot_order.h), the same linears on AMX tiles
+"""The CPU extension: the AVX-512 linears over bf16 weights (bf16_linear.cpp) and over a GGUF's Q4_1 and Q8_0 blocks
+(gguf_linear.cpp), both adding up in one order at any row count (dot_order.h), the same linears on AMX tiles
 (amx_linear.cpp), paged decode attention (paged_decode.cpp) and the decoder's fused small ops (fused_ops.cpp:
 RMSNorm with the residual add, SiLU-and-mul, RoPE with the KV write). A second, smaller extension (int_linear.cpp) holds the quantized checkpoints' linear:
 it needs only AVX2, so it is built apart.
@@ -31,7 +31,7 @@ AMX_MAX_ROWS = 1024
 # faster there than AMX, which multiplies 16 rows at a time (bench/cpu_linears.py).
 AVX512_ROWS_BEFORE_AMX = 4
 SOURCES = [Path(__file__).parent / name
-           for name in ("bf16_linear.cpp", "q4_linear.cpp", "amx_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
+           for name in ("bf16_linear.cpp", "gguf_linear.cpp", "amx_linear.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 INT_SOURCES = [Path(__file__).parent / "int_linear.cpp"]
 _state: dict[str, bool] = {}
 
@@ -104,9 +104,12 @@ def loaded() -> bool:
     return _state.get("loaded", False)
 
 
-def q4_linear(x: torch.Tensor, q4, bias: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
-    """x @ w.T (+ bias) with w in Q4_1 blocks (engine/model/layers/gguf_linears.Q4Weight); `amx`: on AMX tiles."""
-    return torch.ops.pagekube_cpu.q4_1_linear(x, q4.qs, q4.d, q4.m, bias, amx)
+def gguf_linear(x: torch.Tensor, blocks, bias: torch.Tensor | None = None, amx: bool = False) -> torch.Tensor:
+    """x @ w.T (+ bias) with w in a GGUF's blocks (engine/model/layers/gguf_linears.py: Q4Weight, whose qs are
+    uint8 nibbles, or Q8Weight, whose qs are int8); `amx`: on AMX tiles."""
+    if blocks.qs.dtype == torch.int8:
+        return torch.ops.pagekube_cpu.q8_0_linear(x, blocks.qs, blocks.d, bias, amx)
+    return torch.ops.pagekube_cpu.q4_1_linear(x, blocks.qs, blocks.d, blocks.m, bias, amx)
 
 
 @dataclass(frozen=True)
@@ -115,11 +118,11 @@ class CpuKernels:
     loaded: all of them; otherwise none; a benchmark may turn one off), so a layer's call checks only what varies
     per call: how many rows it has."""
 
-    # The AVX-512 linears over bf16 weights and over a GGUF's Q4_1 blocks (for Linears that have them): at every row
-    # count where batch invariant (one order of addition whatever the step holds), else up to MAX_ROWS.
+    # The AVX-512 linears over bf16 weights and over a GGUF's Q4_1 and Q8_0 blocks (for Linears that have them): at
+    # every row count where batch invariant (one order of addition whatever the step holds), else up to MAX_ROWS.
     linear: bool = False
-    q4: bool = False
-    # Every linear (Q4_1 blocks or bf16) on AMX tiles at up to AMX_MAX_ROWS rows, in place of both: a row's result
+    gguf_blocks: bool = False
+    # Every linear (GGUF blocks or bf16) on AMX tiles at up to AMX_MAX_ROWS rows, in place of both: a row's result
     # then does not depend on how many rows its step has (batch invariance), at some cost in steps of one row.
     amx: bool = False
     batch_invariant: bool = True  # False: faster steps, whose rows' results depend on the rows beside them
@@ -130,7 +133,7 @@ class CpuKernels:
     @classmethod
     def for_model(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> CpuKernels:
         on = loaded() and device.type == "cpu" and dtype == torch.bfloat16
-        return cls(linear=on, q4=on, amx=on and cpu_supports_amx(), batch_invariant=batch_invariant(), fused=on,
+        return cls(linear=on, gguf_blocks=on, amx=on and cpu_supports_amx(), batch_invariant=batch_invariant(), fused=on,
                    decode_attention=on and head_dim % 16 == 0 and head_dim <= 256,
                    int_linear=device.type == "cpu" and _state.get("int", False))
 
@@ -145,20 +148,20 @@ class CpuKernels:
             return x.shape[0] <= AMX_MAX_ROWS
         return self.linear and (self.batch_invariant or x.shape[0] <= MAX_ROWS)
 
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, q4=None):
-        """x @ weight.T (+ bias). With AMX: the Q4_1 blocks (when given) or the bf16 weights on AMX tiles up to
-        AMX_MAX_ROWS, torch's AMX GEMM above (the same order of addition). Without: the Q4_1 blocks or the bf16
-        kernel at every row count (up to MAX_ROWS without batch invariance, torch above). The Q4_1 kernels compute
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks=None):
+        """x @ weight.T (+ bias). With AMX: the GGUF blocks (when given) or the bf16 weights on AMX tiles up to
+        AMX_MAX_ROWS, torch's AMX GEMM above (the same order of addition). Without: the blocks or the bf16 kernel at
+        every row count (up to MAX_ROWS without batch invariance, torch above). The kernels over the blocks compute
         with the bf16 weights' exact values, in the bf16 kernels' order."""
         rows = x.shape[0]
         if self.amx and rows <= AMX_MAX_ROWS and (self.batch_invariant or rows > AVX512_ROWS_BEFORE_AMX):
-            if q4 is not None:
-                return q4_linear(x, q4, bias, amx=True)
+            if blocks is not None:
+                return gguf_linear(x, blocks, bias, amx=True)
             if weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0:
                 return torch.ops.pagekube_cpu.bf16_amx_linear(x, weight, bias)
         if rows <= MAX_ROWS or (self.batch_invariant and not self.amx):
-            if q4 is not None and self.q4:
-                return q4_linear(x, q4, bias)
+            if blocks is not None and self.gguf_blocks:
+                return gguf_linear(x, blocks, bias)
             if self.linear:
                 return torch.ops.pagekube_cpu.bf16_linear(x, weight, bias)
         return F.linear(x, weight, bias)
