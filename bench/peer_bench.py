@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plotting import pyplot, save  # noqa: E402
 from bench.serve_bench import WORDS, run_client  # noqa: E402
+from pagekube.engine.model.layers import gguf_linears  # noqa: E402
 from pagekube.engine.model.model_files import BUNDLED_NAME, bundled_model_file, resolve_model_dir  # noqa: E402
 from tests.server_process import ServerProcess, free_port  # noqa: E402
 
@@ -129,7 +130,7 @@ class VllmServer(PeerProcess):
         model = self.workdir / "model"
         model.mkdir()
         for f in model_dir.iterdir():
-            if f.name != "q4_1_linears.safetensors":
+            if f.name != gguf_linears.FILE:  # vLLM would read the blocks as a second checkpoint
                 (model / f.name).symlink_to(f.resolve())
         self.log = open(self.workdir / "server.log", "wb")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
