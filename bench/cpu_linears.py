@@ -1,6 +1,6 @@
 """The bundled model's linears (all 210, as stored) at a few rows: the Q4_1 blocks through the AVX-512 kernel and
 through the AMX one, the bf16 weights through the bf16 kernel, the AMX one and torch's GEMM, taking turns in one
-process; then decode steps of the engine at 1 and 32 sequences batch invariant (AMX where the CPU has it, else the
+process; its tied lm_head the same ways, over the Q8_0 blocks and over the bf16 weights; then decode steps of the engine at 1 and 32 sequences batch invariant (AMX where the CPU has it, else the
 AVX-512 kernels, at every row count) and not (VLLM_BATCH_INVARIANT=0's dispatch: the AVX-512 kernels up to 8 rows,
 torch above), alternating every 16 steps. Prints milliseconds per pass over all the linears, and per step. Without
 AMX, its columns are left out.
@@ -37,11 +37,17 @@ from bench.step_ab import alternate  # noqa: E402
 def linears(rows: list[int], reps: int) -> None:
     model_dir = resolve_model_dir(None)
     packed, state = load_file(model_dir / gguf_linears.FILE), load_file(model_dir / "model.safetensors")
-    names = sorted(k.removesuffix(".qs") for k in packed if k.endswith(".qs"))
+    names = sorted(k.removesuffix(".m") for k in packed if k.endswith(".m"))
     q4 = [gguf_linears.Q4Weight(*(packed[f"{n}.{p}"] for p in ("qs", "d", "m"))) for n in names]
-    bf16 = [state[n].bfloat16() for n in names]
-    ways = {"q4_1 kernel": lambda x, i: cpu_ops.gguf_linear(x, q4[i]),
-            "q4_1 amx": lambda x, i: cpu_ops.gguf_linear(x, q4[i], amx=True),
+    compare(rows, reps, "", q4, [state[n].bfloat16() for n in names])
+    head = "model.embed_tokens.weight"
+    q8 = gguf_linears.Q8Weight(packed[f"{head}.qs"], packed[f"{head}.d"])
+    compare(rows, reps, "lm_head ", [q8], [state[head].bfloat16()], kind="q8_0")
+
+
+def compare(rows: list[int], reps: int, label: str, blocks: list, bf16: list, kind: str = "q4_1") -> None:
+    ways = {f"{kind} kernel": lambda x, i: cpu_ops.gguf_linear(x, blocks[i]),
+            f"{kind} amx": lambda x, i: cpu_ops.gguf_linear(x, blocks[i], amx=True),
             "bf16 kernel": lambda x, i: torch.ops.pagekube_cpu.bf16_linear(x, bf16[i], None),
             "bf16 amx": lambda x, i: torch.ops.pagekube_cpu.bf16_amx_linear(x, bf16[i], None),
             "torch bf16": lambda x, i: F.linear(x, bf16[i])}
@@ -56,7 +62,7 @@ def linears(rows: list[int], reps: int) -> None:
                 for i, w in enumerate(bf16):
                     run(xs[w.shape[1]], i)
                 times[name].append(time.perf_counter() - start)
-        print(f"{m} rows: " + ", ".join(f"{n} {statistics.median(t) * 1e3:.2f} ms" for n, t in times.items() if t))
+        print(f"{label}{m} rows: " + ", ".join(f"{n} {statistics.median(t) * 1e3:.2f} ms" for n, t in times.items() if t))
 
 
 def engine_step(sequences: int, steps: int, switch_every: int = 16) -> None:

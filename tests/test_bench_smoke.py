@@ -108,6 +108,7 @@ def test_cpu_linears_benchmark_smoke():
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "1 rows: q4_1 kernel" in out.stdout and "32 sequences, decode step: batch invariant" in out.stdout
+    assert "lm_head 1 rows: q8_0 kernel" in out.stdout
     assert ("q4_1 amx" in out.stdout) == cpu_ops.cpu_supports_amx(), out.stdout
 
 
