@@ -1,9 +1,10 @@
 """The bundled model's linears (all 210, as stored) at a few rows: the Q4_1 blocks through the AVX-512 kernel and
 through the AMX one, the bf16 weights through the bf16 kernel, the AMX one and torch's GEMM, taking turns in one
-process; its tied lm_head the same ways, over the Q8_0 blocks and over the bf16 weights; then decode steps of the engine at 1 and 32 sequences batch invariant (AMX where the CPU has it, else the
+process; its tied lm_head the same ways, over its Q8_0 blocks and over its bf16 weights. Then decode steps of the
+engine at 1 and 32 sequences, alternating every 16 steps: batch invariant (AMX where the CPU has it, else the
 AVX-512 kernels, at every row count) and not (VLLM_BATCH_INVARIANT=0's dispatch: the AVX-512 kernels up to 8 rows,
-torch above), alternating every 16 steps. Prints milliseconds per pass over all the linears, and per step. Without
-AMX, its columns are left out.
+torch above); then the lm_head over its Q8_0 blocks and over its bf16 weights. Prints milliseconds per pass over
+all the linears, and per step. Without AMX, its columns are left out.
 
     .venv/bin/python bench/cpu_linears.py --rows 1 2 4 8 16 32 64 256 1024 --steps 128
 """
@@ -75,8 +76,14 @@ def engine_step(sequences: int, steps: int, switch_every: int = 16) -> None:
     model, on = engine.runner.model, engine.runner.kernels
     off = dataclasses.replace(on, amx=False, batch_invariant=False)
     ms = alternate(engine, steps, lambda invariant: use_kernels(model, on if invariant else off), switch_every)
-    engine.close()
     print(f"{sequences} sequences, decode step: batch invariant {ms['on']:.2f} ms, not {ms['off']:.2f} ms")
+    embedding = model.model.embed_tokens
+    blocks = embedding.blocks
+    if blocks is not None:
+        ms = alternate(engine, steps, lambda q8: setattr(embedding, "blocks", blocks if q8 else None), switch_every)
+        print(f"{sequences} sequences, decode step: lm_head over its Q8_0 blocks {ms['on']:.2f} ms, "
+              f"over its bf16 weights {ms['off']:.2f} ms")
+    engine.close()
 
 
 def main() -> None:
