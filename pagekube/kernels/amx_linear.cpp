@@ -63,6 +63,20 @@ std::vector<uint32_t> pack_x(const uint16_t* x, int64_t M, int64_t K) {
   return out;
 }
 
+// Where x's B tiles are: tile t of block mb at data + mb * block_step + t * tile_step, rows `stride` bytes apart.
+// One row of x (a decode step of one sequence) is its own B tile as it is (a column of pairs 4 bytes apart), so it
+// is not packed: the same tile contents, without a gather per pair.
+struct XTiles {
+  const uint32_t* data;
+  int64_t block_step, tile_step, stride;
+};
+
+XTiles x_tiles(const uint16_t* x, int64_t M, int64_t K, std::vector<uint32_t>& packed) {
+  if (M == 1) return {reinterpret_cast<const uint32_t*>(x), 0, 16, 4};
+  packed = pack_x(x, M, K);
+  return {packed.data(), K / 32 * 256, 256, 64};
+}
+
 // A C tile (16 weight rows x 16 rows of x, float) to y's bf16 rows, with the bias: one gather per row of x.
 void store(const float* c, const at::BFloat16* bias, at::BFloat16* y, int64_t M, int64_t N, int64_t n0, int64_t m0) {
   if (n0 >= N) return;
@@ -137,14 +151,14 @@ struct BlockWeights {
 
 // Weight rows [32 np, 32 np + 32) against x's blocks [mb0, mb1) of 16 rows.
 template <typename Weights>
-void multiply(Weights& w, const std::vector<uint32_t>& xt, const at::BFloat16* bias, at::BFloat16* y, int64_t M,
+void multiply(Weights& w, const XTiles& xt, const at::BFloat16* bias, at::BFloat16* y, int64_t M,
               int64_t K, int64_t N, int64_t np, int64_t mb0, int64_t mb1) {
   const int64_t KT = K / 32, n0 = np * 32;
   alignas(64) float c[256];
   w.begin(n0, mb1 - mb0 <= 2);
   for (int64_t mb = mb0; mb < mb1; mb += 2) {
-    const uint32_t* b0 = xt.data() + mb * KT * 256;
-    const uint32_t* b1 = b0 + KT * 256;
+    const uint32_t* b0 = xt.data + mb * xt.block_step;
+    const uint32_t* b1 = b0 + xt.block_step;
     const bool two = mb + 1 < mb1;
     _tile_zero(0);
     _tile_zero(1);
@@ -154,11 +168,11 @@ void multiply(Weights& w, const std::vector<uint32_t>& xt, const at::BFloat16* b
       const uint16_t* a0 = w.tile(n0, t);
       _tile_loadd(4, a0, w.stride());
       _tile_loadd(5, a0 + w.block_offset(), w.stride());
-      _tile_loadd(6, b0 + t * 256, 64);
+      _tile_loadd(6, b0 + t * xt.tile_step, xt.stride);
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 5, 6);
       if (two) {
-        _tile_loadd(7, b1 + t * 256, 64);
+        _tile_loadd(7, b1 + t * xt.tile_step, xt.stride);
         _tile_dpbf16ps(2, 4, 7);
         _tile_dpbf16ps(3, 5, 7);
       }
@@ -181,7 +195,7 @@ void multiply(Weights& w, const std::vector<uint32_t>& xt, const at::BFloat16* b
 constexpr int64_t kChunkBlocks = 32;
 
 template <typename Weights>
-void multiply_all(Weights& w, const std::vector<uint32_t>& xt, const at::BFloat16* bias, at::BFloat16* y, int64_t M,
+void multiply_all(Weights& w, const XTiles& xt, const at::BFloat16* bias, at::BFloat16* y, int64_t M,
                   int64_t K, int64_t N, int64_t p0, int64_t p1) {
   const int64_t MB = (M + 15) / 16;
   for (int64_t mb0 = 0; mb0 < MB; mb0 += kChunkBlocks)
@@ -203,7 +217,8 @@ at::Tensor bf16_amx_linear(const at::Tensor& input, const at::Tensor& weight, co
   const at::Tensor bias = bias_opt.has_value() ? bias_opt->contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  const std::vector<uint32_t> xt = pack_x(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K);
+  std::vector<uint32_t> packed;
+  const XTiles xt = x_tiles(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K, packed);
   Bf16Weights weights{reinterpret_cast<const uint16_t*>(w.const_data_ptr()), K};
   const at::BFloat16* bp = bias.defined() ? bias.const_data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, N / 32, 1, [&](int64_t p0, int64_t p1) {
@@ -221,7 +236,8 @@ void block_amx_linear(const uint16_t* x, const Format& f, const at::BFloat16* bi
   TORCH_CHECK(amx_ready(), "GGUF block linear: Linux refused this process the AMX tile state");
   if (M == 0) return;
   const int64_t K = f.K;
-  const std::vector<uint32_t> xt = pack_x(x, M, K);
+  std::vector<uint32_t> packed;
+  const XTiles xt = x_tiles(x, M, K, packed);
   at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t p0, int64_t p1) {
     configure_tiles(M);
     thread_local std::vector<uint16_t> a;
