@@ -20,29 +20,50 @@ namespace {
 
 using pagekube_blocks::kMaxBlocks;
 
-// One weight row against MB rows of x.
-template <int MB, typename Format>
-void block_row(const Format& f, const uint16_t* x, const at::BFloat16* bias, at::BFloat16* y, int64_t N, int64_t n,
-               int64_t m0) {
+// NR weight rows [n, n + NR) against MB rows of x. At one or two rows of x a step is bound by building each pair's
+// weights (a table and two permutes per 64), so several weight rows go at once: their chains are independent, where
+// one row's accumulators are a chain of dependent dpbf16s. Each output is still summed alone, in dot_order.h's order.
+template <int MB, int NR, typename Format>
+void block_rows(const Format& f, const uint16_t* x, const at::BFloat16* bias, at::BFloat16* y, int64_t N, int64_t n,
+                int64_t m0) {
   const int64_t K = f.K;
-  float s[2 * kMaxBlocks];
-  f.scales(n, s);
-  // Two accumulators per x row (even and odd blocks): one would be a chain of dependent dpbf16s.
-  __m512 acc[MB][2];
-  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  float s[NR][2 * kMaxBlocks];
+  for (int j = 0; j < NR; ++j) f.scales(n + j, s[j]);
+  // Two accumulators per output (even and odd blocks).
+  __m512 acc[MB][NR][2];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K / 64; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(f.bytes(n, p)) + 4096, _MM_HINT_T0);
-    __m512bh lo, hi;
-    f.pair(n, p, s, lo, hi);
+    __m512bh lo[NR], hi[NR];
+    for (int j = 0; j < NR; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(f.bytes(n + j, p)) + 4096, _MM_HINT_T0);
+      f.pair(n + j, p, s[j], lo[j], hi[j]);
+    }
     for (int i = 0; i < MB; ++i) {
       const uint16_t* xr = x + (m0 + i) * K + 64 * p;
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], (__m512bh)_mm512_loadu_si512(xr), lo);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], (__m512bh)_mm512_loadu_si512(xr + 32), hi);
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xr), x1 = (__m512bh)_mm512_loadu_si512(xr + 32);
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j][0] = _mm512_dpbf16_ps(acc[i][j][0], x0, lo[j]);
+        acc[i][j][1] = _mm512_dpbf16_ps(acc[i][j][1], x1, hi[j]);
+      }
     }
   }
-  const float bn = bias ? static_cast<float>(bias[n]) : 0.f;
-  for (int i = 0; i < MB; ++i)
-    y[(m0 + i) * N + n] = pagekube_dot::to_bf16(pagekube_dot::sum16(_mm512_add_ps(acc[i][0], acc[i][1])) + bn);
+  for (int j = 0; j < NR; ++j) {
+    const float bn = bias ? static_cast<float>(bias[n + j]) : 0.f;
+    for (int i = 0; i < MB; ++i)
+      y[(m0 + i) * N + n + j] = pagekube_dot::to_bf16(pagekube_dot::sum16(_mm512_add_ps(acc[i][j][0], acc[i][j][1])) + bn);
+  }
+}
+
+// Weight rows [n0, n1) against MB rows of x: four at a time where MB is small enough to keep their accumulators and
+// weights in registers.
+template <int MB, typename Format>
+void stream_rows(const Format& f, const uint16_t* x, const at::BFloat16* bias, at::BFloat16* y, int64_t N, int64_t n0,
+                 int64_t n1, int64_t m) {
+  constexpr int NR = MB <= 2 ? 4 : 1;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) block_rows<MB, NR>(f, x, bias, y, N, n, m);
+  for (; n < n1; ++n) block_rows<MB, 1>(f, x, bias, y, N, n, m);
 }
 
 // Weight rows [n, n + count) dequantized to bf16 into `out` (count rows of K).
@@ -74,7 +95,7 @@ void block_linear(const Format& f, const uint16_t* x, const at::BFloat16* bias, 
       return;
     }
     pagekube_rows::for_row_blocks(M, [&](auto mb, int64_t m) {
-      for (int64_t n = n0; n < n1; ++n) block_row<decltype(mb)::value>(f, x, bias, y, N, n, m);
+      stream_rows<decltype(mb)::value>(f, x, bias, y, N, n0, n1, m);
     });
   });
 }
