@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from e2e.waiting import wait_established
 from tests.k8s_tools import REPO, kubectl, third_party_crd_files, tool_paths
 from tests.server_process import free_port, json_log_lines
 
@@ -158,7 +159,7 @@ current-context: e2e
         ])
         crds = [REPO / "crds/llmdeployment.yaml", *third_party_crd_files()]
         self.kubectl("apply", "--server-side", *[a for c in crds for a in ("-f", str(c))])
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        wait_established(self.kubectl, "crd", "--all")
         # Established comes before the storage behind it answers (a LIST can still get 429 "storage is
         # (re)initializing"): wait until every served kind lists, so the first operator pass sees no retry.
         served = ",".join(f"{c['spec']['names']['plural']}.{c['spec']['group']}"

@@ -67,7 +67,10 @@ def test_status_counts_replicas_per_adapter_and_a_bad_adapter_is_a_condition(con
     cp, ns, name = control_plane, namespace, "tuned"
     _, ip = engine
     adapters = [{"name": "sql", "source": "file:///adapters/sql"}, {"name": "foreign", "source": "file:///adapters/f"}]
-    apply_manifest(cp, manifest(name, ns, adapters=adapters))
+    # Surge: a spec change adds a pod (never ready here: no kubelet) and keeps the ready one, so what that pod
+    # serves stays readable; Auto would Replace at one replica, deleting it at once (CI once read that in between).
+    surge = {"strategy": "Surge"}
+    apply_manifest(cp, manifest(name, ns, adapters=adapters, rollout=surge))
     pending = wait_for(lambda: condition(cp, ns, name, "AdaptersReady"), what="AdaptersReady before any pod is ready")
     assert (pending["status"], pending["reason"]) == ("Unknown", "NoReadyEngines")
     (pod,) = wait_for(lambda: get(cp, "pods", "-n", ns, "-l", naming.engine_pods_selector(name))["items"],
@@ -85,12 +88,14 @@ def test_status_counts_replicas_per_adapter_and_a_bad_adapter_is_a_condition(con
     print(f"\n[e2e] AdaptersReady: {failed['message']}")
 
     # Dropping the bad adapter from the spec: the pod still running serves the one left, and says so.
-    apply_manifest(cp, manifest(name, ns, adapters=adapters[:1]))
+    apply_manifest(cp, manifest(name, ns, adapters=adapters[:1], rollout=surge))
+    wait_for(lambda: len(get(cp, "pods", "-n", ns, "-l", naming.engine_pods_selector(name))["items"]) == 2,
+             what="the surge pod beside the ready one")
     served = wait_for(lambda: (c := condition(cp, ns, name, "AdaptersReady")).get("status") == "True" and c,
                       what="AdaptersReady=True once only sql is declared")
     assert served["reason"] == "AllAdaptersServed" and adapters_status(cp, ns, name) == [{"name": "sql", "readyReplicas": 1}]
 
     # No adapters: the status keeps no adapter list and no AdaptersReady condition.
-    apply_manifest(cp, manifest(name, ns, adapters=[]))
+    apply_manifest(cp, manifest(name, ns, adapters=[], rollout=surge))
     wait_for(lambda: adapters_status(cp, ns, name) is None and not condition(cp, ns, name, "AdaptersReady"),
              what="no status.adapters and no AdaptersReady without adapters")

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from e2e.test_operator import apply_manifest, condition, get, manifest
-from e2e.waiting import wait_for
+from e2e.waiting import wait_established, wait_for
 from pagekube.operator import naming
 from pagekube.operator.cli import render
 from pagekube.operator.reconciler import contains
@@ -86,5 +86,4 @@ def test_leaderworkerset_crd_missing_refuses_the_spec_with_a_condition(control_p
     finally:
         (crd,) = [f for f in third_party_crd_files() if f.name.startswith("leaderworkerset")]
         cp.kubectl("apply", "--server-side", "-f", str(crd))
-        wait_for(lambda: cp.kubectl("wait", "--for=condition=Established", "--timeout=10s", "crd", LWS_CRD,
-                                    check=False).returncode == 0, what="the CRD established again")
+        wait_established(cp.kubectl, "crd", LWS_CRD)

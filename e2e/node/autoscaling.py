@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from e2e.node.node import NODE_IP, Node
+from e2e.waiting import wait_established
 
 ADAPTER_PORT = 6444
 
@@ -51,7 +52,7 @@ def start_autoscaling(node: Node, keda_bin: Path) -> None:
     crds = sorted(keda_bin.glob("*.yaml"))
     node.kubectl("apply", "--server-side", *[a for crd in crds for a in ("-f", str(crd))])
     names = [yaml.safe_load(crd.read_text())["metadata"]["name"] for crd in crds]
-    node.kubectl("wait", "--for=condition=Established", "--timeout=60s", *[f"crd/{n}" for n in names])
+    wait_established(node.kubectl, *[f"crd/{n}" for n in names])
     node.kubectl("apply", "-f", "-", input=_metrics_api_service((d / "ca.crt").read_bytes()))
 
     env = {**os.environ, "KUBECONFIG": str(node.kubeconfig), "POD_NAMESPACE": "keda", "WATCH_NAMESPACE": "",

@@ -16,6 +16,7 @@ import subprocess
 import yaml
 
 from e2e.node.node import NODE_IP, in_netns
+from e2e.waiting import wait_established
 
 WEBHOOK_PORT = 9443
 SELECTS_LWS_PODS = {"matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]}
@@ -49,9 +50,7 @@ def start_leaderworkerset(node, lws_bin) -> None:
     # not served (its cache never syncs).
     crds = sorted(lws_bin.glob("*.yaml"))
     node.kubectl("apply", "--server-side", *[a for c in crds for a in ("-f", str(c))])
-    node.wait("the LeaderWorkerSet CRD", lambda: node.kubectl(  # (until its status exists, `wait` errors out)
-        "wait", "--for=condition=Established", "--timeout=5s", "crd/leaderworkersets.leaderworkerset.x-k8s.io",
-        check=False).returncode == 0, 60)
+    wait_established(node.kubectl, "crd/leaderworkersets.leaderworkerset.x-k8s.io")
     config = node.workdir / "lws-config.yaml"
     config.write_text(yaml.safe_dump({
         "apiVersion": "config.lws.x-k8s.io/v1alpha1", "kind": "Configuration",

@@ -12,6 +12,7 @@ import urllib.parse
 import yaml
 
 from e2e.node.node import Node
+from e2e.waiting import wait_established
 
 NAMESPACE = "monitoring"
 PROMETHEUS = "k8s"  # the Prometheus resource's name (its pods: prometheus-k8s-N)
@@ -89,8 +90,7 @@ def start_monitoring(node: Node) -> str:
                              str(tools["PAGEKUBE_PROMETHEUS_OPERATOR_IMAGE"]))
     crds = [d for d in bundle if d["kind"] == "CustomResourceDefinition"]
     _apply(node, crds)
-    node.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                 *[f"crd/{d['metadata']['name']}" for d in crds])
+    wait_established(node.kubectl, *[f"crd/{d['metadata']['name']}" for d in crds])
     _apply(node, [d for d in bundle if d["kind"] != "CustomResourceDefinition"] + prometheus_rbac())
     node.kubectl("-n", NAMESPACE, "rollout", "status", "deployment/prometheus-operator", "--timeout=120s", timeout=150)
     _apply(node, [prometheus_resource(str(tools["PAGEKUBE_PROMETHEUS_IMAGE"]),
