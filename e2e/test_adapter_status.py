@@ -73,8 +73,10 @@ def test_status_counts_replicas_per_adapter_and_a_bad_adapter_is_a_condition(con
     apply_manifest(cp, manifest(name, ns, adapters=adapters, rollout=surge))
     pending = wait_for(lambda: condition(cp, ns, name, "AdaptersReady"), what="AdaptersReady before any pod is ready")
     assert (pending["status"], pending["reason"]) == ("Unknown", "NoReadyEngines")
-    (pod,) = wait_for(lambda: get(cp, "pods", "-n", ns, "-l", naming.engine_pods_selector(name))["items"],
-                      what="the engine pod (the ReplicaSet controller made it)")
+    def engine_pods() -> list[dict]:
+        return get(cp, "pods", "-n", ns, "-l", naming.engine_pods_selector(name))["items"]
+
+    (pod,) = wait_for(engine_pods, what="the engine pod (the ReplicaSet controller made it)")
     mark_pod_ready_at(cp, ns, pod, ip)
 
     failed = wait_for(lambda: (c := condition(cp, ns, name, "AdaptersReady")).get("reason") == "AdapterFailed" and c,
@@ -89,8 +91,7 @@ def test_status_counts_replicas_per_adapter_and_a_bad_adapter_is_a_condition(con
 
     # Dropping the bad adapter from the spec: the pod still running serves the one left, and says so.
     apply_manifest(cp, manifest(name, ns, adapters=adapters[:1], rollout=surge))
-    wait_for(lambda: len(get(cp, "pods", "-n", ns, "-l", naming.engine_pods_selector(name))["items"]) == 2,
-             what="the surge pod beside the ready one")
+    wait_for(lambda: len(engine_pods()) == 2, what="the surge pod beside the ready one")
     served = wait_for(lambda: (c := condition(cp, ns, name, "AdaptersReady")).get("status") == "True" and c,
                       what="AdaptersReady=True once only sql is declared")
     assert served["reason"] == "AllAdaptersServed" and adapters_status(cp, ns, name) == [{"name": "sql", "readyReplicas": 1}]
